@@ -1,0 +1,1 @@
+"""aiohttp routes, SSE streaming and protocol errors."""

@@ -1,0 +1,58 @@
+"""Assemble an engine from settings: checkpoint, device, KV memory, runner and scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from daemon.config import EngineConfig
+from daemon.demo import DEMO_NAME, ensure_demo_model, is_demo
+from daemon.device import resolve_device, resolve_dtype
+from daemon.kv.manager import KVManager
+from daemon.loop.engine import Engine
+from daemon.loop.runner import ModelRunner
+from daemon.loop.scheduler import Scheduler
+from daemon.models.loader import checkpoint_dtype, load_model, read_config
+from daemon.tokenizer import TextTokenizer
+
+log = structlog.get_logger(__name__)
+
+
+def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
+    """The engine and the name it serves the model under."""
+    path = Path(cfg.model) if cfg.model else ensure_demo_model()
+    hf_config = read_config(path)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
+    loaded = load_model(path, device, dtype)
+    model = loaded.model
+    tokenizer = TextTokenizer.from_dir(path, hf_config)
+    max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
+    groups = model.kv_groups(dtype, cfg.block_size)
+    kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30))
+    runner = ModelRunner(model, groups, kv.num_blocks, device, dtype, cfg.max_num_seqs, cfg.seed)
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
+    engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, cfg.overlap)
+    if cfg.served_model_name:
+        name = cfg.served_model_name
+    elif is_demo(hf_config):
+        name = DEMO_NAME
+    else:
+        name = path.name
+    log.info(
+        "engine_ready",
+        model=name,
+        random_weight_demo=is_demo(hf_config),
+        kv_blocks=kv.num_blocks,
+        kv_capacity_tokens=kv.capacity_tokens(),
+        max_model_len=max_model_len,
+        overlap=cfg.overlap,
+    )
+    return engine, name
+
+
+def _config_eos(hf_config: dict) -> tuple[int, ...]:
+    value = hf_config.get("eos_token_id")
+    return tuple(value) if isinstance(value, list) else () if value is None else (value,)

@@ -1,0 +1,27 @@
+"""Engine and server settings, shared by the CLI, the engine and the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None = the built-in demo model
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "auto"  # auto (from the config) | float32 | float16 | bfloat16
+    kv_cache_memory_gb: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    overlap: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 8 * 1024 * 1024

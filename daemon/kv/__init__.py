@@ -1,0 +1,1 @@
+"""KV memory: per-layer KV specs, the paged block pool and per-request block tables."""

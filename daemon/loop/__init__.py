@@ -1,0 +1,1 @@
+"""The engine loop: requests, scheduler, 3-stage overlap pipeline, sampling."""

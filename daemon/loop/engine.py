@@ -1,0 +1,214 @@
+"""The async engine: the 3-stage overlap loop and the request-facing API.
+
+    event loop:  schedule N+1 ──submit──►  ... process outputs of N ... schedule N+2
+    device:            [ forward+sample N ][ forward+sample N+1 ][ ...
+With overlap off, each step is scheduled only after the previous one's outputs are processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from daemon.kv.manager import KVManager
+from daemon.loop.output import OutputProcessor
+from daemon.loop.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from daemon.loop.runner import ModelRunner, StepResult
+from daemon.loop.scheduler import Scheduler, SchedulerStep
+from daemon.tokenizer import TextTokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the context or the KV pool)."""
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv: KVManager,
+        scheduler: Scheduler,
+        tokenizer: TextTokenizer | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        overlap: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.kv = kv
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.overlap = overlap
+        self.outputs = OutputProcessor(tokenizer, max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for req in list(self.requests.values()):
+            self._finish(req, FinishReason.ABORT)
+        self._executor.shutdown(wait=True)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        if self.error is not None:
+            raise RuntimeError("the engine loop has failed") from self.error
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"has {len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more"
+            )
+        if total > self.kv.capacity_tokens():
+            raise RequestRejected(
+                f"the request needs {total} tokens of KV memory; the pool holds {self.kv.capacity_tokens()}"
+            )
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        req = Request(
+            request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        req.outputs = asyncio.Queue()
+        self.requests[req.request_id] = req
+        self.outputs.add(req)
+        self.scheduler.add(req)
+        self._wakeup.set()
+        return req
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs; closing the iterator early aborts the request."""
+        assert req.outputs is not None
+        try:
+            while True:
+                out = await req.outputs.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.request_id)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        req = self.add_request(prompt_ids, params, request_id, priority)
+        async for out in self.stream(req):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            log.info("request_aborted", request_id=request_id, output_tokens=len(req.output_ids))
+            self._finish(req, FinishReason.ABORT)
+            if req.outputs is not None:
+                req.outputs.put_nowait(
+                    RequestOutput(req.request_id, [], "", None, True, FinishReason.ABORT,
+                                  num_prompt_tokens=req.num_prompt_tokens,
+                                  num_output_tokens=len(req.output_ids))
+                )
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self.outputs.remove(req)
+        self.requests.pop(req.request_id, None)
+
+    def stats(self) -> dict[str, object]:
+        usage = self.kv.usage()[0]
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": usage.num_blocks,
+            "kv_blocks_free": usage.num_free,
+            "steps": self.steps,
+        }
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        inflight: deque[tuple[SchedulerStep, asyncio.Future[StepResult]]] = deque()
+        try:
+            while True:
+                step = None
+                if self.overlap or not inflight:
+                    step = self.scheduler.schedule()
+                if step is not None:
+                    prepared = self.runner.prepare(step, self.kv)
+                    inflight.append((step, loop.run_in_executor(self._executor, self.runner.execute, prepared)))
+                    self.steps += 1
+                if inflight and (step is None or len(inflight) > 1 or not self.overlap):
+                    done, future = inflight.popleft()
+                    self._process(done, await future)
+                elif not inflight:
+                    self._wakeup.clear()
+                    if not self.scheduler.has_work:
+                        await self._wakeup.wait()
+                    else:
+                        await asyncio.sleep(0.001)  # work exists but nothing fits yet
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.error = e
+            log.exception("engine_loop_failed")
+            for req in list(self.requests.values()):
+                self.abort(req.request_id)
+            raise
+
+    def _process(self, step: SchedulerStep, result: StepResult) -> None:
+        samples = iter(zip(result.tokens, result.logprobs))
+        for seq in step.seqs:
+            req = seq.request
+            req.num_inflight_steps -= 1
+            if not seq.samples:
+                continue
+            token, logprob = next(samples)
+            if req.finished:
+                continue  # aborted, or finished by an earlier token while this step ran
+            finish = self.outputs.append_token(req, token, logprob)
+            self.outputs.emit(req, [token], [logprob] if logprob else [], finish)
+            if finish is not None:
+                self._finish(req, finish)
+        self._wakeup.set()

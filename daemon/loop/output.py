@@ -1,0 +1,62 @@
+"""Stage 3 of the loop: sampled tokens -> stop checks -> detokenize -> per-request output queues."""
+
+from __future__ import annotations
+
+from daemon.loop.detokenizer import IncrementalDetokenizer
+from daemon.loop.request import FinishReason, Request, RequestOutput, TokenLogprob
+from daemon.tokenizer import TextTokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: TextTokenizer | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, req: Request) -> None:
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.params.stop, req.params.include_stop_str_in_output
+        )
+
+    def remove(self, req: Request) -> None:
+        self.detokenizers.pop(req.request_id, None)
+
+    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+        """Record one sampled token; returns why the request finished, if it did."""
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        p = req.params
+        detok = self.detokenizers[req.request_id]
+        stop_str = detok.add(token)
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return FinishReason.STOP
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return FinishReason.STOP
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def emit(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob], finish: FinishReason | None) -> None:
+        detok = self.detokenizers[req.request_id]
+        text = detok.take(final=finish is not None)
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            logprobs=new_logprobs if req.params.logprobs is not None else None,
+            finished=finish is not None,
+            finish_reason=finish,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if req.outputs is not None:
+            req.outputs.put_nowait(out)
+        if finish is not None:
+            self.remove(req)

@@ -1,0 +1,192 @@
+"""Model runner: turns a scheduled step into device tensors (host side) and runs
+forward + sampling (device side, off the event loop).
+
+Tokens sampled in step N are written to `last_tokens[slot]` on the device; a
+decode in step N+1 whose input the host has not seen yet carries -1 and reads
+it from there, so step N+1 never waits for step N's output on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from daemon.kv.manager import KVManager
+from daemon.kv.spec import KVGroup
+from daemon.loop.request import SamplingParams, TokenLogprob
+from daemon.loop.sampler import PenaltyState, SamplingBatch, add_logprobs, apply_penalties, sample
+from daemon.loop.scheduler import SchedulerStep
+from daemon.models.attention import AttentionBatch, build_attention_batch
+
+
+@dataclass
+class PreparedStep:
+    input_ids: torch.Tensor  # [T], -1 where the token is on the device only
+    placeholder_rows: torch.Tensor  # rows of input_ids to fill from last_tokens
+    placeholder_slots: torch.Tensor  # slots they read
+    positions: torch.Tensor  # [T]
+    attention: AttentionBatch
+    logits_rows: torch.Tensor  # [S] last token of each sampling sequence
+    sample_slots: torch.Tensor  # [S]
+    sampling: SamplingBatch | None
+    new_penalty_states: list[tuple[int, list[int], list[int]]]  # (slot, prompt, outputs)
+    penalty_rows: list[int]
+    penalty_slots: list[int]
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # one per sampling sequence, in step order
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_seqs: int,
+        seed: int = 0,
+    ) -> None:
+        if len(kv_groups) != 1:
+            raise ValueError("this runner drives single-group (full attention) models")
+        self.model = model
+        self.device = device
+        spec = kv_groups[0].spec
+        self.block_size = spec.block_size
+        slots = num_blocks[0] * spec.block_size
+        shape = (slots, spec.num_kv_heads, spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in kv_groups[0].layer_ids
+        ]
+        self.vocab_size = model.vocab_size
+        self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
+        self.penalties: dict[int, PenaltyState] = {}
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    # ---- host side (event loop thread) ---------------------------------------------------
+
+    def prepare(self, step: SchedulerStep, kv: KVManager) -> PreparedStep:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        placeholder_rows: list[int] = []
+        placeholder_slots: list[int] = []
+        decode_ctx: list[tuple[list[int], int]] = []
+        prefill_ctx: list[tuple[int, int, list[int], int]] = []
+        logits_rows: list[int] = []
+        sample_slots: list[int] = []
+        sample_params: list[SamplingParams] = []
+        sample_indices: list[int] = []
+        new_penalty_states = []
+        penalty_rows: list[int] = []
+        penalty_slots: list[int] = []
+        bs = self.block_size
+
+        for seq in step.seqs:
+            req = seq.request
+            table = kv.block_tables(req.request_id)[0]
+            start, n = seq.start, seq.num_tokens
+            end = start + n
+            row0 = len(input_ids)
+            known = min(end, req.num_known_tokens)
+            if start < known:
+                input_ids.extend(req.prompt_ids[start:known] if known <= req.num_prompt_tokens else
+                                 [req.token_at(p) for p in range(start, known)])
+            for _ in range(max(known, start), end):
+                placeholder_rows.append(len(input_ids))
+                placeholder_slots.append(req.slot)
+                input_ids.append(-1)
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if seq.is_decode:
+                decode_ctx.append((table, end))
+            else:
+                prefill_ctx.append((row0, n, table, end))
+            if start == 0 and req.params.has_penalties:
+                new_penalty_states.append((req.slot, list(req.prompt_ids), list(req.output_ids)))
+            if seq.samples:
+                if req.params.has_penalties:
+                    penalty_rows.append(len(logits_rows))
+                    penalty_slots.append(req.slot)
+                logits_rows.append(len(input_ids) - 1)
+                sample_slots.append(req.slot)
+                sample_params.append(req.params)
+                sample_indices.append(seq.sample_index)
+
+        return PreparedStep(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            placeholder_rows=torch.tensor(placeholder_rows, dtype=torch.long),
+            placeholder_slots=torch.tensor(placeholder_slots, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            attention=build_attention_batch(decode_ctx, prefill_ctx, slot_mapping, bs),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            sample_slots=torch.tensor(sample_slots, dtype=torch.long),
+            sampling=SamplingBatch.build(sample_params, sample_indices, self.vocab_size) if sample_params else None,
+            new_penalty_states=new_penalty_states,
+            penalty_rows=penalty_rows,
+            penalty_slots=penalty_slots,
+        )
+
+    # ---- device side (worker thread) -------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> StepResult:
+        if self.stream is None:
+            return self._execute(step)
+        with torch.cuda.stream(self.stream):
+            result = self._execute(step)
+        return result
+
+    def _execute(self, step: PreparedStep) -> StepResult:
+        dev = self.device
+        input_ids = step.input_ids.to(dev, non_blocking=True)
+        if step.placeholder_rows.numel():
+            rows = step.placeholder_rows.to(dev, non_blocking=True)
+            input_ids[rows] = self.last_tokens[step.placeholder_slots.to(dev, non_blocking=True)]
+        hidden = self.model(
+            input_ids, step.positions.to(dev, non_blocking=True), step.attention.to(dev), self.kv_caches
+        )
+        for slot, prompt, outputs in step.new_penalty_states:
+            self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
+        if step.sampling is None:
+            return StepResult([], [])
+        logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
+        sb = step.sampling.to(dev)
+        raw = logits.clone() if sb.max_logprobs is not None else logits
+        if step.penalty_rows:
+            states = [self.penalties[s] for s in step.penalty_slots]
+            params = [sb.params[r] for r in step.penalty_rows]
+            apply_penalties(logits, step.penalty_rows, states, params)
+        result = sample(logits, sb, self.generator)
+        slots = step.sample_slots.to(dev, non_blocking=True)
+        self.last_tokens[slots] = result.tokens
+        for row, slot in zip(step.penalty_rows, step.penalty_slots):
+            self.penalties[slot].output_counts[result.tokens[row]] += 1
+        if sb.max_logprobs is not None:
+            result = add_logprobs(result, raw, sb.max_logprobs)
+        return self._to_host(result, sb)
+
+    def _to_host(self, result, sb: SamplingBatch) -> StepResult:
+        tokens = result.tokens.tolist()
+        if result.logprob is None:
+            return StepResult(tokens, [None] * len(tokens))
+        chosen = result.logprob.tolist()
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        logprobs: list[TokenLogprob | None] = []
+        for i, p in enumerate(sb.params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            top = list(zip(top_ids[i][: p.logprobs], top_lps[i][: p.logprobs])) if top_ids else []
+            logprobs.append(TokenLogprob(tokens[i], chosen[i], top))
+        return StepResult(tokens, logprobs)

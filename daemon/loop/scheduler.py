@@ -1,0 +1,161 @@
+"""Continuous batching: a per-step token budget, chunked prefill mixed with decode,
+priority/FCFS admission and preemption (free and recompute) when KV blocks run out."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import structlog
+
+from daemon.kv.manager import KVManager
+from daemon.loop.request import FinishReason, Request, RequestStatus
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int
+    samples: bool  # the step ends at the sequence's last scheduled token, so it samples
+    sample_index: int  # which output token this sample is (seeds the per-request generator)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0 and self.samples
+
+
+@dataclass
+class SchedulerStep:
+    seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def schedule(self) -> SchedulerStep | None:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        scheduled_ids: set[str] = set()
+        preempted = False
+
+        for req in sorted(self.running, key=lambda r: r.sort_key):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(self._tokens_to_compute(req), budget)
+            if n == 0:
+                continue
+            while not self.kv.grow(req.request_id, req.num_computed + n):
+                victim = self._pick_victim(exclude=scheduled_ids)
+                self.preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            scheduled.append(self._commit(req, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+
+        # Admitting new work right after a preemption would only thrash.
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+
+        if not scheduled:
+            return None
+        scheduled.sort(key=lambda s: not s.is_decode)
+        return SchedulerStep(scheduled)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
+            if req.num_inflight_steps > 0:
+                i += 1  # preempted mid-flight: its last tokens are not on the host yet
+                continue
+            n = min(self._tokens_to_compute(req), budget)
+            if not self.kv.grow(req.request_id, req.num_computed + n):
+                break
+            self.waiting.pop(i)
+            req.status = RequestStatus.RUNNING
+            req.slot = self._free_slots.pop()
+            self.running.append(req)
+            scheduled.append(self._commit(req, n))
+            budget -= n
+        return budget
+
+    def _tokens_to_compute(self, req: Request) -> int:
+        if req.num_sampled_scheduled >= req.params.max_tokens:
+            return 0  # its last token is asked for; only the output stage is left
+        return req.seq_len - req.num_computed
+
+    def _commit(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed
+        req.num_computed += n
+        samples = req.num_computed == req.seq_len
+        seq = ScheduledSeq(req, start, n, samples, req.num_sampled_scheduled)
+        if samples:
+            req.num_sampled_scheduled += 1
+        req.num_inflight_steps += 1
+        return seq
+
+    def _pick_victim(self, exclude: set[str]) -> Request:
+        candidates = [
+            r
+            for r in self.running
+            if r.status == RequestStatus.RUNNING and r.request_id not in exclude
+        ]
+        return max(candidates, key=lambda r: r.sort_key)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
+    def preempt(self, req: Request) -> None:
+        """Free everything the request holds; it recomputes from its known tokens later."""
+        self._release(req)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        log.debug("preempt", request_id=req.request_id, tokens=req.seq_len)
+        self.add(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,127 @@
+"""Paged attention over a flat token batch (decodes first, then prefill chunks), in torch.
+
+Layout of one step:   [ d0 d1 ... dB | p0 p0 p0 p0 | p1 p1 ... ]
+                        decode tokens   prefill chunks (variable length)
+Decodes are attended in one padded call; each prefill chunk in its own call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int
+    q_len: int
+    kv_index: torch.Tensor | None  # flat cache slots of positions [0, ctx); None = fresh prompt
+    mask: torch.Tensor | None  # [q_len, ctx] bool, True = attend; None = plain causal
+
+
+@dataclass
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # [T] flat cache slot written by each token
+    num_decodes: int
+    decode_kv_index: torch.Tensor  # [B, Lmax] flat cache slots (padded)
+    decode_mask: torch.Tensor  # [B, 1, 1, Lmax] bool
+    prefills: list[PrefillChunk]
+
+    def to(self, device: torch.device) -> AttentionBatch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttentionBatch(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            num_decodes=self.num_decodes,
+            decode_kv_index=self.decode_kv_index.to(device, non_blocking=True),
+            decode_mask=self.decode_mask.to(device, non_blocking=True),
+            prefills=[
+                PrefillChunk(p.q_start, p.q_len, move(p.kv_index), move(p.mask))
+                for p in self.prefills
+            ],
+        )
+
+
+def build_attention_batch(
+    decode_ctx: list[tuple[list[int], int]],
+    prefill_ctx: list[tuple[int, int, list[int], int]],
+    slot_mapping: list[int],
+    block_size: int,
+) -> AttentionBatch:
+    """decode_ctx: (block_table, ctx_len) per decode.
+    prefill_ctx: (q_start, q_len, block_table, ctx_len) per prefill chunk."""
+
+    def slots(table: list[int], n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+        return blocks * block_size + pos % block_size
+
+    num_decodes = len(decode_ctx)
+    lmax = max((n for _, n in decode_ctx), default=0)
+    lens = torch.tensor([n for _, n in decode_ctx], dtype=torch.long)
+    max_blocks = -(-lmax // block_size)
+    tables = torch.zeros(num_decodes, max_blocks, dtype=torch.long)
+    for i, (table, n) in enumerate(decode_ctx):
+        used = -(-n // block_size)
+        tables[i, :used] = torch.tensor(table[:used], dtype=torch.long)
+    pos = torch.arange(lmax)
+    decode_kv_index = tables[:, pos // block_size] * block_size + pos % block_size
+    decode_mask = (torch.arange(lmax)[None, :] < lens[:, None]).view(num_decodes, 1, 1, lmax)
+
+    prefills = []
+    for q_start, q_len, table, ctx in prefill_ctx:
+        if ctx == q_len:
+            prefills.append(PrefillChunk(q_start, q_len, None, None))
+            continue
+        q_pos = torch.arange(ctx - q_len, ctx)
+        mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+        prefills.append(PrefillChunk(q_start, q_len, slots(table, ctx), mask))
+    return AttentionBatch(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+        num_decodes=num_decodes,
+        decode_kv_index=decode_kv_index,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Writes k, v, returns [T, Hq, D]."""
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    b = batch.num_decodes
+    if b:
+        kd = k_cache[batch.decode_kv_index].transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache[batch.decode_kv_index].transpose(1, 2)
+        qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa
+        )
+        out[:b] = o.squeeze(2)
+    for p in batch.prefills:
+        qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, n, D]
+        if p.kv_index is None:
+            ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+            vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            ks = k_cache[p.kv_index].transpose(0, 1)
+            vs = v_cache[p.kv_index].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
+            )
+        out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,1 @@
+"""MoE expert placement, load statistics and rebalancing (arrives with the MoE issue)."""

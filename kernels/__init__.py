@@ -1,0 +1,1 @@
+"""Accelerator kernels next to their torch reference versions."""
