@@ -57,7 +57,10 @@ def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * 0.02
 
-    weights = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h), "model.norm.weight": torch.ones(h)}
+    weights = {
+        "model.embed_tokens.weight": normal(cfg["vocab_size"], h),
+        "model.norm.weight": torch.ones(h),
+    }
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
         weights |= {

@@ -25,7 +25,9 @@ def resolve_device(name: str) -> torch.device:
         try:
             importlib.import_module("torch_npu")  # registers the npu backend with torch
         except ImportError as e:
-            raise RuntimeError("device npu needs the `ascend` extra (torch-npu) and the CANN toolkit") from e
+            raise RuntimeError(
+                "device npu needs the `ascend` extra (torch-npu) and the CANN toolkit"
+            ) from e
         return torch.device("npu")
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device cuda was asked for, but torch sees no CUDA device")

@@ -10,7 +10,9 @@ from daemon.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextTokenizer | None, stop: list[str], include_stop: bool) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer | None, stop: list[str], include_stop: bool
+    ) -> None:
         self.tokenizer = tokenizer
         self.stream = tokenizer.stream() if tokenizer else None
         self.stop = [s for s in stop if s]

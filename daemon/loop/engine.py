@@ -8,6 +8,7 @@ With overlap off, each step is scheduled only after the previous one's outputs a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections import deque
@@ -18,7 +19,7 @@ import structlog
 
 from daemon.kv.manager import KVManager
 from daemon.loop.output import OutputProcessor
-from daemon.loop.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from daemon.loop.request import FinishReason, Request, RequestOutput, SamplingParams
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import Scheduler, SchedulerStep
 from daemon.tokenizer import TextTokenizer
@@ -67,10 +68,8 @@ class Engine:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         for req in list(self.requests.values()):
             self._finish(req, FinishReason.ABORT)
@@ -132,7 +131,11 @@ class Engine:
                 self.abort(req.request_id)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         req = self.add_request(prompt_ids, params, request_id, priority)
         async for out in self.stream(req):
@@ -145,9 +148,16 @@ class Engine:
             self._finish(req, FinishReason.ABORT)
             if req.outputs is not None:
                 req.outputs.put_nowait(
-                    RequestOutput(req.request_id, [], "", None, True, FinishReason.ABORT,
-                                  num_prompt_tokens=req.num_prompt_tokens,
-                                  num_output_tokens=len(req.output_ids))
+                    RequestOutput(
+                        req.request_id,
+                        [],
+                        "",
+                        None,
+                        True,
+                        FinishReason.ABORT,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=len(req.output_ids),
+                    )
                 )
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -177,7 +187,9 @@ class Engine:
                     step = self.scheduler.schedule()
                 if step is not None:
                     prepared = self.runner.prepare(step, self.kv)
-                    inflight.append((step, loop.run_in_executor(self._executor, self.runner.execute, prepared)))
+                    inflight.append(
+                        (step, loop.run_in_executor(self._executor, self.runner.execute, prepared))
+                    )
                     self.steps += 1
                 if inflight and (step is None or len(inflight) > 1 or not self.overlap):
                     done, future = inflight.popleft()

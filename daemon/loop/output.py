@@ -21,7 +21,9 @@ class OutputProcessor:
     def remove(self, req: Request) -> None:
         self.detokenizers.pop(req.request_id, None)
 
-    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> FinishReason | None:
+    def append_token(
+        self, req: Request, token: int, logprob: TokenLogprob | None
+    ) -> FinishReason | None:
         """Record one sampled token; returns why the request finished, if it did."""
         req.output_ids.append(token)
         if logprob is not None:
@@ -41,7 +43,13 @@ class OutputProcessor:
             return FinishReason.LENGTH
         return None
 
-    def emit(self, req: Request, new_ids: list[int], new_logprobs: list[TokenLogprob], finish: FinishReason | None) -> None:
+    def emit(
+        self,
+        req: Request,
+        new_ids: list[int],
+        new_logprobs: list[TokenLogprob],
+        finish: FinishReason | None,
+    ) -> None:
         detok = self.detokenizers[req.request_id]
         text = detok.take(final=finish is not None)
         out = RequestOutput(

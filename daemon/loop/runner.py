@@ -62,7 +62,10 @@ class ModelRunner:
         slots = num_blocks[0] * spec.block_size
         shape = (slots, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in kv_groups[0].layer_ids
         ]
         self.vocab_size = model.vocab_size
@@ -99,8 +102,11 @@ class ModelRunner:
             row0 = len(input_ids)
             known = min(end, req.num_known_tokens)
             if start < known:
-                input_ids.extend(req.prompt_ids[start:known] if known <= req.num_prompt_tokens else
-                                 [req.token_at(p) for p in range(start, known)])
+                input_ids.extend(
+                    req.prompt_ids[start:known]
+                    if known <= req.num_prompt_tokens
+                    else [req.token_at(p) for p in range(start, known)]
+                )
             for _ in range(max(known, start), end):
                 placeholder_rows.append(len(input_ids))
                 placeholder_slots.append(req.slot)
@@ -130,7 +136,9 @@ class ModelRunner:
             attention=build_attention_batch(decode_ctx, prefill_ctx, slot_mapping, bs),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             sample_slots=torch.tensor(sample_slots, dtype=torch.long),
-            sampling=SamplingBatch.build(sample_params, sample_indices, self.vocab_size) if sample_params else None,
+            sampling=SamplingBatch.build(sample_params, sample_indices, self.vocab_size)
+            if sample_params
+            else None,
             new_penalty_states=new_penalty_states,
             penalty_rows=penalty_rows,
             penalty_slots=penalty_slots,
@@ -153,7 +161,10 @@ class ModelRunner:
             rows = step.placeholder_rows.to(dev, non_blocking=True)
             input_ids[rows] = self.last_tokens[step.placeholder_slots.to(dev, non_blocking=True)]
         hidden = self.model(
-            input_ids, step.positions.to(dev, non_blocking=True), step.attention.to(dev), self.kv_caches
+            input_ids,
+            step.positions.to(dev, non_blocking=True),
+            step.attention.to(dev),
+            self.kv_caches,
         )
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)

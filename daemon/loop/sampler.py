@@ -31,7 +31,9 @@ class SamplingBatch:
     max_logprobs: int | None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], sample_indices: list[int], vocab: int) -> SamplingBatch:
+    def build(
+        cls, params: list[SamplingParams], sample_indices: list[int], vocab: int
+    ) -> SamplingBatch:
         greedy = [p.greedy for p in params]
         return cls(
             params=params,
@@ -51,7 +53,11 @@ class SamplingBatch:
     def to(self, device: torch.device) -> SamplingBatch:
         if device.type == "cpu":
             return self
-        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        moved = {
+            k: v.to(device, non_blocking=True)
+            for k, v in vars(self).items()
+            if isinstance(v, torch.Tensor)
+        }
         return SamplingBatch(**{**vars(self), **moved})
 
 
@@ -63,7 +69,9 @@ class PenaltyState:
     output_counts: torch.Tensor  # [V] int32
 
     @classmethod
-    def create(cls, prompt_ids: list[int], output_ids: list[int], vocab: int, device: torch.device) -> PenaltyState:
+    def create(
+        cls, prompt_ids: list[int], output_ids: list[int], vocab: int, device: torch.device
+    ) -> PenaltyState:
         mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
         counts = torch.zeros(vocab, dtype=torch.int32, device=device)
@@ -81,7 +89,9 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # [S, N]
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], states: list[PenaltyState], params: list[SamplingParams]) -> None:
+def apply_penalties(
+    logits: torch.Tensor, rows: list[int], states: list[PenaltyState], params: list[SamplingParams]
+) -> None:
     for row, state, p in zip(rows, states, params):
         x = logits[row]
         counts = state.output_counts
@@ -118,7 +128,9 @@ def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.
     return g
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None) -> SampleResult:
+def sample(
+    logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None
+) -> SampleResult:
     """logits: [S, V] float32, penalties already applied (raw logprobs taken before)."""
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:

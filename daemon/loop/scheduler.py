@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -146,6 +147,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         log.debug("preempt", request_id=req.request_id, tokens=req.seq_len)
         self.add(req)
 

@@ -116,7 +116,9 @@ def paged_attention(
         if p.kv_index is None:
             ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
             vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         else:
             ks = k_cache[p.kv_index].transpose(0, 1)
             vs = v_cache[p.kv_index].transpose(0, 1)

@@ -43,7 +43,9 @@ class DenseConfig:
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported")
         layer_types = c.get("layer_types") or []
-        sliding = c.get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types)
+        sliding = c.get("use_sliding_window", False) or any(
+            t != "full_attention" for t in layer_types
+        )
         if sliding:
             raise ValueError("sliding-window layers of dense models are not supported")
         heads = c["num_attention_heads"]
@@ -72,10 +74,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: DenseConfig, layer_id: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -147,7 +155,9 @@ class DenseForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     @property
@@ -159,7 +169,9 @@ class DenseForCausalLM(nn.Module):
         return self.cfg.max_position_embeddings
 
     def kv_groups(self, dtype: torch.dtype, block_size: int) -> list[KVGroup]:
-        spec = FullAttentionSpec(block_size, self.cfg.num_layers, dtype, self.cfg.num_kv_heads, self.cfg.head_dim)
+        spec = FullAttentionSpec(
+            block_size, self.cfg.num_layers, dtype, self.cfg.num_kv_heads, self.cfg.head_dim
+        )
         return [KVGroup(spec, tuple(range(self.cfg.num_layers)))]
 
     def forward(

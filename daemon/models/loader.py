@@ -66,7 +66,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
     model.to(dtype)
     load_weights(model, path)
     model.eval()
-    log.info("model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device))
+    log.info(
+        "model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device)
+    )
     return LoadedModel(model, hf_config, dtype, path)
 
 
@@ -84,7 +86,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
     total = sum(len(list(h.keys())) for h in handles)
     with tqdm(total=total, desc="loading weights", unit="tensor", leave=False) as bar:
         for f, handle in zip(files, handles):
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 bar.update(1)
                 target = model.checkpoint_to_param(key)
                 if target is None:
@@ -100,7 +102,12 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 
 def _copy_into(
-    model: nn.Module, param: nn.Parameter, name: str, shard: int | None, tensor: torch.Tensor, key: str
+    model: nn.Module,
+    param: nn.Parameter,
+    name: str,
+    shard: int | None,
+    tensor: torch.Tensor,
+    key: str,
 ) -> None:
     target = param.data
     if shard is not None:

@@ -33,7 +33,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(dim: int, base: float, p: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+def _yarn(
+    dim: int, base: float, p: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
     original = p["original_max_position_embeddings"]
     factor = p.get("factor") or max_positions / original
     attention_factor = p.get("attention_factor")

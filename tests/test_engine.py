@@ -1,0 +1,236 @@
+"""The engine end to end on a tiny random checkpoint: batching, chunked prefill,
+preemption, overlap, seeds, stop strings, logprobs and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from daemon.build import build_engine
+from daemon.config import EngineConfig
+from daemon.loop.engine import Engine
+from daemon.loop.request import FinishReason, RequestOutput, SamplingParams
+from tests.checkpoints import load_reference, make_dense_checkpoint
+
+PROMPT_LENGTHS = [3, 17, 40, 64, 90, 5, 33]
+MAX_TOKENS = 20
+BYTES_PER_BLOCK = 2 * 2 * 16 * 4 * 2 * 16  # k+v, kv heads, head_dim, fp32, layers, block size
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_dense_checkpoint(tmp_path_factory.mktemp("llama"), "llama", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, 129280, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = load_reference(checkpoint)
+    config = GenerationConfig(
+        max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), generation_config=config)
+            outs.append(out[0, len(p) :].tolist())
+    return outs
+
+
+async def started(checkpoint: Path, **overrides) -> Engine:
+    settings = dict(model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_batched_tokens=64)
+    engine, _ = build_engine(EngineConfig(**(settings | overrides)))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def text(outs: list[RequestOutput]) -> str:
+    return "".join(o.new_text for o in outs)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_batch_equals_alone_equals_transformers(
+    checkpoint, prompts, reference_outputs, overlap
+):
+    engine = await started(checkpoint, overlap=overlap)
+    try:
+        batched = await asyncio.gather(*(collect(engine, p, GREEDY) for p in prompts))
+        alone = [await collect(engine, p, GREEDY) for p in prompts]
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in batched] == reference_outputs
+    assert [tokens(o) for o in alone] == reference_outputs
+    assert all(o[-1].finish_reason == FinishReason.LENGTH for o in batched)
+
+
+async def test_preemption_recomputes_to_the_same_output(checkpoint, prompts, reference_outputs):
+    # 12 blocks of 16 tokens: every request fits alone, the batch does not.
+    engine = await started(checkpoint, kv_cache_memory_gb=12 * BYTES_PER_BLOCK / 2**30)
+    try:
+        assert engine.kv.num_blocks == [12]
+        batched = await asyncio.gather(*(collect(engine, p, GREEDY) for p in prompts))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.stats()["kv_blocks_free"] == 12
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in batched] == reference_outputs
+
+
+async def test_same_seed_same_output(checkpoint, prompts):
+    engine = await started(checkpoint)
+    seeded = SamplingParams(
+        max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=123, ignore_eos=True
+    )
+    other_seed = SamplingParams(**{**vars(seeded), "seed": 124})
+    unseeded = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    try:
+        alone = tokens(await collect(engine, prompts[2], seeded))
+        crowd = await asyncio.gather(
+            *(collect(engine, p, unseeded) for p in prompts),
+            collect(engine, prompts[2], seeded),
+            collect(engine, prompts[2], other_seed),
+        )
+    finally:
+        await engine.stop()
+    assert tokens(crowd[-2]) == alone
+    assert tokens(crowd[-1]) != alone
+
+
+async def test_stop_string_split_across_tokens(checkpoint, prompts):
+    engine = await started(checkpoint)
+    tok = engine.tokenizer
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    try:
+        free_run = await collect(engine, prompts[1], params)
+        ids = tokens(free_run)
+        pieces = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+        # a stop string made of the end of token i and the start of token i+1
+        for i in range(1, len(ids) - 1):
+            before, mid, after = pieces[i - 1], pieces[i], pieces[i + 1]
+            if (
+                len(mid) - len(before) >= 2
+                and len(after) - len(mid) >= 2
+                and mid.startswith(before)
+            ):
+                stop = mid[-1] + after[len(mid)]
+                if stop not in after[: len(mid) - 1]:
+                    break
+        else:
+            pytest.fail("no token boundary with two multi-character tokens in the output")
+        stopped = await collect(
+            engine, prompts[1], SamplingParams(**{**vars(params), "stop": [stop]})
+        )
+        streamed = [o.new_text for o in stopped]
+    finally:
+        await engine.stop()
+    expected = after[: after.index(stop)]
+    assert "".join(streamed) == expected
+    assert stopped[-1].finish_reason == FinishReason.STOP
+    assert stopped[-1].stop_reason == stop
+    assert not any(stop in s for s in streamed)
+
+
+async def test_logprobs_match_transformers(checkpoint, prompts):
+    engine = await started(checkpoint)
+    try:
+        outs = await collect(
+            engine, prompts[3], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+        )
+    finally:
+        await engine.stop()
+    lp = outs[-1].logprobs[0]
+    with torch.inference_mode():
+        ref = load_reference(checkpoint)(torch.tensor([prompts[3]])).logits[0, -1].log_softmax(-1)
+    top = ref.topk(5)
+    assert lp.token_id == top.indices[0].item()
+    assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert torch.allclose(torch.tensor([v for _, v in lp.top]), top.values, atol=1e-4)
+    assert abs(lp.logprob - top.values[0].item()) < 1e-4
+
+
+async def test_stop_token_and_eos(checkpoint, prompts, reference_outputs):
+    engine = await started(checkpoint)
+    target = reference_outputs[0][5]
+    try:
+        outs = await collect(
+            engine,
+            prompts[0],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[target]),
+        )
+    finally:
+        await engine.stop()
+    got = tokens(outs)
+    assert got == reference_outputs[0][: reference_outputs[0].index(target) + 1]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == target
+
+
+async def test_abort_mid_stream_frees_every_block(checkpoint, prompts):
+    engine = await started(checkpoint)
+    total = engine.kv.num_blocks[0]
+    try:
+        stream = engine.generate(
+            prompts[4], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        )
+        others = [asyncio.create_task(collect(engine, p, GREEDY)) for p in prompts[:3]]
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()
+        await asyncio.gather(*others)
+        for _ in range(100):
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert stats["kv_blocks_free"] == total
+        assert engine.requests == {}
+    finally:
+        await engine.stop()
+
+
+async def test_priority_admits_first(checkpoint, prompts):
+    engine = await started(checkpoint, max_num_seqs=1)
+    order: list[str] = []
+
+    async def run(prompt, priority, name):
+        await collect_with_priority(engine, prompt, priority)
+        order.append(name)
+
+    try:
+        first = asyncio.create_task(run(prompts[0], 0, "running"))
+        await asyncio.sleep(0)
+        low = asyncio.create_task(run(prompts[1], 5, "low"))
+        high = asyncio.create_task(run(prompts[2], -5, "high"))
+        await asyncio.gather(first, low, high)
+    finally:
+        await engine.stop()
+    assert order == ["running", "high", "low"]
+
+
+async def collect_with_priority(engine: Engine, prompt: list[int], priority: int) -> None:
+    req = engine.add_request(prompt, GREEDY, priority=priority)
+    async for _ in engine.stream(req):
+        pass

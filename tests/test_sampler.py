@@ -1,0 +1,79 @@
+"""The batched sampler: masks, penalties, seeds and the sampled distribution."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from daemon.loop.request import SamplingParams
+from daemon.loop.sampler import PenaltyState, SamplingBatch, apply_penalties, sample
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS = PROBS.log()
+
+
+def draw(params: SamplingParams, n: int = 400, logits: torch.Tensor = LOGITS) -> torch.Tensor:
+    rows = logits.expand(n, -1).clone()
+    sb = SamplingBatch.build([params] * n, list(range(n)), logits.shape[-1])
+    return sample(rows, sb, torch.Generator().manual_seed(0)).tokens
+
+
+def test_greedy_rows_take_the_argmax() -> None:
+    assert set(draw(SamplingParams(temperature=0.0)).tolist()) == {0}
+    assert set(draw(SamplingParams(top_k=1)).tolist()) == {0}
+
+
+def test_top_k_top_p_min_p_limit_the_support() -> None:
+    assert set(draw(SamplingParams(top_k=2)).tolist()) == {0, 1}
+    assert set(draw(SamplingParams(top_p=0.8)).tolist()) == {0, 1}
+    assert set(draw(SamplingParams(top_p=0.81)).tolist()) == {0, 1, 2}
+    assert set(draw(SamplingParams(min_p=0.2)).tolist()) == {0, 1, 2}
+    assert set(draw(SamplingParams(top_p=0.3)).tolist()) == {0}
+
+
+def test_samples_follow_the_distribution() -> None:
+    n = 20000
+    counts = torch.bincount(draw(SamplingParams(), n), minlength=4).float() / n
+    assert torch.allclose(counts, PROBS, atol=0.015), counts
+    # temperature 2 flattens: p_i ∝ sqrt(p_i)
+    flat = PROBS.sqrt() / PROBS.sqrt().sum()
+    counts = torch.bincount(draw(SamplingParams(temperature=2.0), n), minlength=4).float() / n
+    assert torch.allclose(counts, flat, atol=0.015), counts
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    params = [SamplingParams(temperature=1.0)] * 5 + [seeded]
+    batch = sample(
+        logits.clone(), SamplingBatch.build(params, [0] * 5 + [7], vocab), torch.Generator()
+    )
+    alone = sample(logits[5:].clone(), SamplingBatch.build([seeded], [7], vocab), torch.Generator())
+    assert batch.tokens[5] == alone.tokens[0]
+    draws = {
+        sample(
+            logits[5:].clone(), SamplingBatch.build([seeded], [i], vocab), torch.Generator()
+        ).tokens.item()
+        for i in range(20)
+    }
+    assert len(draws) > 1  # the output position moves the stream
+
+
+def test_penalties_match_their_definitions() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    state = PenaltyState.create(
+        prompt_ids=[0], output_ids=[1, 3, 3], vocab=5, device=torch.device("cpu")
+    )
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    apply_penalties(logits, [0], [state], [p])
+    expected = [
+        2.0 / 2,  # prompt token, positive: divided
+        -1.0 * 2 - 0.5 * 1 - 0.25,  # output once, negative: multiplied
+        0.5,  # unseen
+        3.0 / 2 - 0.5 * 2 - 0.25,  # output twice
+        -2.0,
+    ]
+    assert torch.allclose(logits[0], torch.tensor(expected)), logits
+    assert math.isclose(float(state.output_counts[3]), 2)

@@ -1,0 +1,123 @@
+"""Scheduler and KV manager without a model: budgets, chunking, caps, preemption, frees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daemon.kv.block_pool import BlockPool
+from daemon.kv.manager import KVManager
+from daemon.kv.spec import FullAttentionSpec, KVGroup
+from daemon.loop.request import FinishReason, Request, SamplingParams
+from daemon.loop.scheduler import Scheduler
+
+SPEC = FullAttentionSpec(
+    block_size=4, num_layers=1, dtype=torch.float32, num_kv_heads=1, head_dim=2
+)
+
+
+def make(num_blocks: int, max_seqs: int = 8, budget: int = 16) -> Scheduler:
+    kv = KVManager([KVGroup(SPEC, (0,))], num_blocks * SPEC.bytes_per_block)
+    assert kv.num_blocks == [num_blocks]
+    return Scheduler(kv, max_seqs, budget)
+
+
+def req(name: str, prompt_len: int, max_tokens: int = 4, priority: int = 0) -> Request:
+    return Request(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), priority)
+
+
+def finish_step(s: Scheduler, step) -> None:
+    """Pretend the device ran the step and the host saw its tokens."""
+    for seq in step.seqs:
+        seq.request.num_inflight_steps -= 1
+        if seq.samples:
+            seq.request.output_ids.append(7)
+
+
+def test_budget_chunks_prefill_and_mixes_decodes() -> None:
+    s = make(num_blocks=32, budget=10)
+    a, b = req("a", 6), req("b", 12)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert [(x.request.request_id, x.start, x.num_tokens, x.samples) for x in step.seqs] == [
+        ("a", 0, 6, True),
+        ("b", 0, 4, False),
+    ]
+    finish_step(s, step)
+    step = s.schedule()  # a decodes first, b continues its prefill in the rest of the budget
+    assert [(x.request.request_id, x.start, x.num_tokens, x.samples) for x in step.seqs] == [
+        ("a", 6, 1, True),
+        ("b", 4, 8, True),
+    ]
+    assert step.seqs[0].is_decode and not step.seqs[1].is_decode
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = make(num_blocks=32, max_seqs=2)
+    for name in "abc":
+        s.add(req(name, 2))
+    step = s.schedule()
+    assert {x.request.request_id for x in step.seqs} == {"a", "b"}
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_no_step_past_max_tokens() -> None:
+    s = make(num_blocks=8)
+    a = req("a", 3, max_tokens=2)
+    s.add(a)
+    for _ in range(2):
+        step = s.schedule()
+        finish_step(s, step)
+    assert s.schedule() is None  # the second token is asked for; nothing left to compute
+    s.finish(a, FinishReason.LENGTH)
+    assert s.kv.usage()[0].num_free == 8 and not s.has_work
+
+
+def test_preemption_frees_the_lowest_priority_and_recomputes() -> None:
+    s = make(num_blocks=4, budget=32)
+    high, low = req("high", 8, max_tokens=8, priority=0), req("low", 7, max_tokens=8, priority=1)
+    s.add(high)
+    s.add(low)
+    finish_step(s, s.schedule())  # 2 blocks each: the pool is full
+    step = s.schedule()  # high needs a 3rd block at position 8: low is preempted
+    assert [x.request.request_id for x in step.seqs] == ["high"]
+    assert low.num_computed == 0 and low in s.waiting and s.num_preemptions == 1
+    finish_step(s, step)
+    s.finish(high, FinishReason.STOP)
+    step = s.schedule()  # low recomputes prompt + its one known output, then samples
+    (seq,) = step.seqs
+    assert (seq.request, seq.start, seq.num_tokens, seq.samples, seq.sample_index) == (
+        low,
+        0,
+        8,
+        True,
+        1,
+    )
+
+
+def test_preempted_request_waits_for_its_inflight_step() -> None:
+    s = make(num_blocks=4, budget=32)
+    high, low = req("high", 8, max_tokens=8), req("low", 7, max_tokens=8, priority=1)
+    s.add(high)
+    s.add(low)
+    first = s.schedule()
+    s.schedule()  # overlap: scheduled before the first step's outputs arrived; low is preempted
+    assert low in s.waiting and low.num_inflight_steps == 1
+    s.finish(high, FinishReason.ABORT)
+    assert s.schedule() is None  # low's sampled token is still on the device
+    finish_step(s, first)
+    assert s.schedule().seqs[0].request is low
+
+
+def test_block_pool_refcounts() -> None:
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.incref(a)
+    pool.decref(a)
+    assert pool.num_free == 1
+    pool.decref(a)
+    pool.decref(b)
+    assert pool.num_free == 3
+    with pytest.raises(ValueError):
+        pool.decref(a)
