@@ -16,7 +16,14 @@ from torch import nn
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
 from daemon.loop.request import SamplingParams, TokenLogprob
-from daemon.loop.sampler import PenaltyState, SamplingBatch, add_logprobs, apply_penalties, sample
+from daemon.loop.sampler import (
+    PenaltyState,
+    SampleResult,
+    SamplingBatch,
+    add_logprobs,
+    apply_penalties,
+    sample,
+)
 from daemon.loop.scheduler import SchedulerStep
 from daemon.models.attention import AttentionBatch, build_attention_batch
 
@@ -73,7 +80,8 @@ class ModelRunner:
         self.penalties: dict[int, PenaltyState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.device_module = torch.get_device_module(device) if device.type != "cpu" else None
+        self.stream = self.device_module.Stream(device) if self.device_module else None
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
@@ -149,12 +157,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> StepResult:
         if self.stream is None:
-            return self._execute(step)
-        with torch.cuda.stream(self.stream):
             result = self._execute(step)
-        return result
+            return StepResult([], []) if result is None else self._to_host(result, step.sampling)
+        # Accelerators: launch on our stream, copy the few result values to the
+        # host asynchronously and block this worker thread (not the event loop) on an event.
+        with self.device_module.stream(self.stream):
+            result = self._execute(step)
+            if result is None:
+                return StepResult([], [])
+            result = SampleResult(
+                *(
+                    None if t is None else t.to("cpu", non_blocking=True)
+                    for t in vars(result).values()
+                )
+            )
+            done = self.device_module.Event()
+            done.record(self.stream)
+        done.synchronize()
+        return self._to_host(result, step.sampling)
 
-    def _execute(self, step: PreparedStep) -> StepResult:
+    def _execute(self, step: PreparedStep) -> SampleResult | None:
         dev = self.device
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():
@@ -169,7 +191,7 @@ class ModelRunner:
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
         if step.sampling is None:
-            return StepResult([], [])
+            return None
         logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
         sb = step.sampling.to(dev)
         raw = logits.clone() if sb.max_logprobs is not None else logits
@@ -184,9 +206,10 @@ class ModelRunner:
             self.penalties[slot].output_counts[result.tokens[row]] += 1
         if sb.max_logprobs is not None:
             result = add_logprobs(result, raw, sb.max_logprobs)
-        return self._to_host(result, sb)
+        return result
 
-    def _to_host(self, result, sb: SamplingBatch) -> StepResult:
+    @staticmethod
+    def _to_host(result: SampleResult, sb: SamplingBatch) -> StepResult:
         tokens = result.tokens.tolist()
         if result.logprob is None:
             return StepResult(tokens, [None] * len(tokens))
