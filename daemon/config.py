@@ -25,3 +25,4 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM

@@ -72,7 +72,7 @@ class Engine:
                 await self._task
             self._task = None
         for req in list(self.requests.values()):
-            self._finish(req, FinishReason.ABORT)
+            self.abort(req.request_id)  # also wakes anyone still reading its stream
         self._executor.shutdown(wait=True)
 
     # ---- requests -----------------------------------------------------------------------

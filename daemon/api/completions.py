@@ -1,0 +1,202 @@
+"""POST /v1/completions: OpenAI legacy completions, answered whole or streamed as SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+import structlog
+from aiohttp import web
+
+from daemon.api.completions_protocol import (
+    CompletionRequest,
+    parse_completion_request,
+    tokenize_prompts,
+)
+from daemon.api.errors import ApiError, unavailable
+from daemon.api.fanout import FanOut, submit_all
+from daemon.api.logprobs import completion_logprobs
+from daemon.api.sse import SSEWriter
+from daemon.api.state import get_state, read_json_object
+from daemon.loop.engine import Engine
+from daemon.loop.request import FinishReason, Request, RequestOutput, TokenLogprob
+from daemon.tokenizer import TextTokenizer
+
+log = structlog.get_logger(__name__)
+routes = web.RouteTableDef()
+
+
+@dataclass
+class _Completion:
+    """One HTTP completion request: its choices are (prompt i, sample j) -> index i*n + j."""
+
+    id: str
+    created: int
+    model: str
+    req: CompletionRequest
+    prompt_ids: list[list[int]]
+    tokenizer: TextTokenizer | None
+    choices: list[_Choice] = field(default_factory=list)
+
+    def header(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def usage(self) -> dict:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        completion = sum(ch.num_output_tokens for ch in self.choices)
+        cached = sum(ch.num_cached_tokens for ch in self.choices[:: self.req.n])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_ids: list[int]
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0  # streaming: where the next chunk's logprobs start
+    streamed: bool = False  # streaming: a chunk of this choice has been sent
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+@routes.post("/v1/completions")
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = get_state(request)
+    creq = parse_completion_request(await read_json_object(request))
+    state.check_model(creq.model)
+    state.check_engine()
+    engine = state.engine
+    prompt_ids = await tokenize_prompts(creq.prompts, engine.tokenizer)
+    c = _Completion(
+        id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=state.served_name,
+        req=creq,
+        prompt_ids=prompt_ids,
+        tokenizer=engine.tokenizer,
+    )
+    jobs = [(ids, creq.params_for(j)) for ids in prompt_ids for j in range(creq.n)]
+    c.choices = [_Choice(i, ids) for i, (ids, _) in enumerate(jobs)]
+    reqs = submit_all(engine, c.id, jobs, creq.priority)
+    start = time.monotonic()
+    try:
+        if creq.stream:
+            return await _stream(request, engine, reqs, c)
+        return await _whole(engine, reqs, c)
+    finally:
+        usage = c.usage()
+        log.info(
+            "completion",
+            id=c.id,
+            choices=len(reqs),
+            stream=creq.stream,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            finish=[ch.finish_reason.value if ch.finish_reason else None for ch in c.choices],
+            seconds=round(time.monotonic() - start, 3),
+        )
+
+
+async def _whole(engine: Engine, reqs: list[Request], c: _Completion) -> web.Response:
+    async with FanOut(engine, reqs) as fan:
+        async for i, out in fan:
+            c.choices[i].add(out)
+    if any(ch.finish_reason is FinishReason.ABORT for ch in c.choices):
+        raise _aborted()
+    choices = []
+    for ch in c.choices:
+        choice = {
+            "index": ch.index,
+            "text": "".join(ch.text),
+            "logprobs": _logprobs(c, ch.logprobs, 0)[0],
+            "finish_reason": ch.finish_reason.value if ch.finish_reason else None,
+            "stop_reason": ch.stop_reason,
+        }
+        if c.req.return_token_ids:
+            choice |= {"prompt_token_ids": ch.prompt_ids, "token_ids": ch.token_ids}
+        choices.append(choice)
+    body = c.header() | {"choices": choices, "usage": c.usage()}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request, engine: Engine, reqs: list[Request], c: _Completion
+) -> web.StreamResponse:
+    writer: SSEWriter | None = None
+    try:
+        async with FanOut(engine, reqs) as fan:  # entered first: it aborts on any exit
+            writer = await SSEWriter.open(request)
+            async for i, out in fan:
+                ch = c.choices[i]
+                ch.add(out)
+                if out.finish_reason is FinishReason.ABORT:
+                    await writer.send(_aborted().body())
+                    break
+                if not (out.new_token_ids or out.new_text or out.finished):
+                    continue
+                choice = {
+                    "index": i,
+                    "text": out.new_text,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason.value if out.finish_reason else None,
+                    "stop_reason": out.stop_reason if out.finished else None,
+                }
+                choice["logprobs"], ch.text_offset = _logprobs(c, out.logprobs, ch.text_offset)
+                if c.req.return_token_ids:
+                    if not ch.streamed:
+                        choice["prompt_token_ids"] = ch.prompt_ids
+                    choice["token_ids"] = out.new_token_ids
+                ch.streamed = True
+                await writer.send(c.header() | {"choices": [choice]})
+            else:
+                if c.req.include_usage:
+                    await writer.send(c.header() | {"choices": [], "usage": c.usage()})
+        await writer.done()
+        await writer.close()
+    except ConnectionResetError:
+        log.info("client_disconnected", id=c.id)
+    if writer is None:
+        raise ConnectionResetError("the client went away before the stream opened")
+    return writer.response
+
+
+def _logprobs(c: _Completion, entries: list[TokenLogprob] | None, offset: int) -> tuple:
+    if c.req.params.logprobs is None or entries is None:
+        return None, offset
+    return completion_logprobs(entries, c.tokenizer, offset)
+
+
+def _aborted() -> ApiError:
+    return unavailable(
+        "the request was aborted before it finished (the server is shutting down "
+        "or the engine failed)"
+    )
+
+
+def register(app: web.Application) -> None:
+    app.router.add_routes(routes)

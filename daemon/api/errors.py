@@ -1,0 +1,125 @@
+"""OpenAI-style error objects, the ApiError exception handlers raise, and the middleware
+that turns every failure (ours, aiohttp's, unexpected ones) into that shape."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+) -> web.Response:
+    type_ = type_ or _TYPES.get(
+        status, "invalid_request_error" if status < 500 else "internal_error"
+    )
+    return web.Response(
+        status=status,
+        body=orjson.dumps(error_body(message, type_, param, code)),
+        content_type="application/json",
+    )
+
+
+class ApiError(Exception):
+    """Raised by handlers; the middleware answers it with the error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type_ = (
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
+
+    def response(self) -> web.Response:
+        return error_response(
+            self.status, self.message, type_=self.type_, param=self.param, code=self.code
+        )
+
+    def body(self) -> dict:
+        type_ = self.type_ or _TYPES.get(self.status, "invalid_request_error")
+        return error_body(self.message, type_, self.param, self.code)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def too_large(message: str) -> ApiError:
+    return ApiError(413, message, code="request_too_large")
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, code="service_unavailable")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server had an error while processing your request.")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.status, _http_message(request, e))
+    except ConnectionResetError:  # the client went away; nobody reads this answer
+        log.info("client_disconnected", method=request.method, path=request.path)
+        return web.Response(status=499)
+    except Exception:
+        log.exception("unhandled_error", method=request.method, path=request.path)
+        return internal_error().response()
+
+
+def _http_message(request: web.Request, e: web.HTTPException) -> str:
+    if e.status in (404, 405):
+        return f"Invalid URL ({request.method} {request.path})"
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return f"Request body too large: {e.text}"
+    return e.reason
