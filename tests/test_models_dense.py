@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.models.attention import build_attention_batch
+from daemon.models.attention import SeqSlice
 from daemon.models.loader import ModelLoadError, load_model
 from tests.checkpoints import load_reference, make_dense_checkpoint
 
@@ -55,23 +55,22 @@ def checkpoint(request, tmp_path_factory) -> Path:
 
 def run_chunks(model, ids: torch.Tensor, chunk_sizes: list[int]) -> torch.Tensor:
     """Logits of every position, computing the prompt in chunks over a paged cache."""
-    cfg = model.cfg
+    (group,) = model.kv_groups(torch.float32, BLOCK)
     num_blocks = -(-len(ids) // BLOCK) + 2
-    shape = (num_blocks * BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    cache = model.allocate_cache([group], [num_blocks], CPU)
     table = list(range(num_blocks - 1, -1, -1))  # non-contiguous on purpose
     logits, start = [], 0
     for n in chunk_sizes:
-        end = start + n
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-        if n == 1 and start > 0:
-            batch = build_attention_batch([(table, end)], [], slots, BLOCK)
-        else:
-            batch = build_attention_batch([], [(0, n, table, end)], slots, BLOCK)
+        seq = SeqSlice(0, start, n, [table], is_decode=n == 1 and start > 0)
         with torch.inference_mode():
-            hidden = model(ids[start:end], torch.arange(start, end), batch, kv)
+            hidden = model(
+                ids[start : start + n],
+                torch.arange(start, start + n),
+                cache.build_attention([seq]),
+                cache,
+            )
             logits.append(model.compute_logits(hidden))
-        start = end
+        start += n
     return torch.cat(logits)
 
 

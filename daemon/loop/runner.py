@@ -9,6 +9,7 @@ it from there, so step N+1 never waits for step N's output on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from daemon.loop.sampler import (
     sample,
 )
 from daemon.loop.scheduler import SchedulerStep
-from daemon.models.attention import AttentionBatch, build_attention_batch
+from daemon.models.attention import SeqSlice
 
 
 @dataclass
@@ -34,7 +35,7 @@ class PreparedStep:
     placeholder_rows: torch.Tensor  # rows of input_ids to fill from last_tokens
     placeholder_slots: torch.Tensor  # slots they read
     positions: torch.Tensor  # [T]
-    attention: AttentionBatch
+    attention: Any  # the model's own per-step attention metadata (has .to(device))
     logits_rows: torch.Tensor  # [S] last token of each sampling sequence
     sample_slots: torch.Tensor  # [S]
     sampling: SamplingBatch | None
@@ -56,25 +57,12 @@ class ModelRunner:
         kv_groups: list[KVGroup],
         num_blocks: list[int],
         device: torch.device,
-        dtype: torch.dtype,
         max_num_seqs: int,
         seed: int = 0,
     ) -> None:
-        if len(kv_groups) != 1:
-            raise ValueError("this runner drives single-group (full attention) models")
         self.model = model
         self.device = device
-        spec = kv_groups[0].spec
-        self.block_size = spec.block_size
-        slots = num_blocks[0] * spec.block_size
-        shape = (slots, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in kv_groups[0].layer_ids
-        ]
+        self.cache = model.allocate_cache(kv_groups, num_blocks, device)
         self.vocab_size = model.vocab_size
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.penalties: dict[int, PenaltyState] = {}
@@ -88,11 +76,9 @@ class ModelRunner:
     def prepare(self, step: SchedulerStep, kv: KVManager) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         placeholder_rows: list[int] = []
         placeholder_slots: list[int] = []
-        decode_ctx: list[tuple[list[int], int]] = []
-        prefill_ctx: list[tuple[int, int, list[int], int]] = []
+        slices: list[SeqSlice] = []
         logits_rows: list[int] = []
         sample_slots: list[int] = []
         sample_params: list[SamplingParams] = []
@@ -100,14 +86,12 @@ class ModelRunner:
         new_penalty_states = []
         penalty_rows: list[int] = []
         penalty_slots: list[int] = []
-        bs = self.block_size
 
         for seq in step.seqs:
             req = seq.request
-            table = kv.block_tables(req.request_id)[0]
             start, n = seq.start, seq.num_tokens
             end = start + n
-            row0 = len(input_ids)
+            q_start = len(input_ids)
             known = min(end, req.num_known_tokens)
             if start < known:
                 input_ids.extend(
@@ -120,11 +104,9 @@ class ModelRunner:
                 placeholder_slots.append(req.slot)
                 input_ids.append(-1)
             positions.extend(range(start, end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if seq.is_decode:
-                decode_ctx.append((table, end))
-            else:
-                prefill_ctx.append((row0, n, table, end))
+            slices.append(
+                SeqSlice(q_start, start, n, kv.block_tables(req.request_id), seq.is_decode)
+            )
             if start == 0 and req.params.has_penalties:
                 new_penalty_states.append((req.slot, list(req.prompt_ids), list(req.output_ids)))
             if seq.samples:
@@ -141,7 +123,7 @@ class ModelRunner:
             placeholder_rows=torch.tensor(placeholder_rows, dtype=torch.long),
             placeholder_slots=torch.tensor(placeholder_slots, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
-            attention=build_attention_batch(decode_ctx, prefill_ctx, slot_mapping, bs),
+            attention=self.cache.build_attention(slices),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             sample_slots=torch.tensor(sample_slots, dtype=torch.long),
             sampling=SamplingBatch.build(sample_params, sample_indices, self.vocab_size)
@@ -183,10 +165,7 @@ class ModelRunner:
             rows = step.placeholder_rows.to(dev, non_blocking=True)
             input_ids[rows] = self.last_tokens[step.placeholder_slots.to(dev, non_blocking=True)]
         hidden = self.model(
-            input_ids,
-            step.positions.to(dev, non_blocking=True),
-            step.attention.to(dev),
-            self.kv_caches,
+            input_ids, step.positions.to(dev, non_blocking=True), step.attention.to(dev), self.cache
         )
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)

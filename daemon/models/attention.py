@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from daemon.kv.spec import FullAttentionSpec
+
 
 @dataclass
 class PrefillChunk:
@@ -43,6 +45,47 @@ class AttentionBatch:
                 for p in self.prefills
             ],
         )
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step, as the runner hands it to a model's cache."""
+
+    q_start: int  # first row of the flat token batch
+    start: int  # first position computed
+    num_tokens: int
+    block_tables: list[list[int]]  # one per KV group
+    is_decode: bool
+
+
+class PagedKVCache:
+    """K and V of every layer in flat slots: slot = block * block_size + offset."""
+
+    def __init__(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> None:
+        self.block_size = spec.block_size
+        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+
+    def build_attention(self, seqs: list[SeqSlice]) -> AttentionBatch:
+        bs = self.block_size
+        slot_mapping: list[int] = []
+        decode_ctx: list[tuple[list[int], int]] = []
+        prefill_ctx: list[tuple[int, int, list[int], int]] = []
+        for s in seqs:
+            table = s.block_tables[0]
+            end = s.start + s.num_tokens
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(s.start, end))
+            if s.is_decode:
+                decode_ctx.append((table, end))
+            else:
+                prefill_ctx.append((s.q_start, s.num_tokens, table, end))
+        return build_attention_batch(decode_ctx, prefill_ctx, slot_mapping, bs)
 
 
 def build_attention_batch(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from daemon.kv.spec import FullAttentionSpec, KVGroup
-from daemon.models.attention import AttentionBatch, paged_attention
+from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
 from daemon.models.layers import RMSNorm, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
 
@@ -174,15 +174,20 @@ class DenseForCausalLM(nn.Module):
         )
         return [KVGroup(spec, tuple(range(self.cfg.num_layers)))]
 
+    def allocate_cache(
+        self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+    ) -> PagedKVCache:
+        return PagedKVCache(groups[0].spec, num_blocks[0], device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cache: PagedKVCache,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv in zip(self.layers, cache.layers):
             x = layer(x, positions, batch, kv)
         return self.norm(x)
 
