@@ -30,7 +30,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     tokenizer = TextTokenizer.from_dir(path, hf_config)
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
-    kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30))
+    kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
     runner = ModelRunner(model, groups, kv.num_blocks, device, cfg.max_num_seqs, cfg.seed)
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)

@@ -65,3 +65,66 @@ def load_reference(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+V4_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=4,
+    hc_mult=2,
+    partial_rotary_factor=0.25,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def make_v4_checkpoint(path: Path, seed: int = 0, weight_scale: float = 0.2, **overrides) -> Path:
+    """A tiny random DeepSeek-V4 saved by transformers, with every learned scalar that a
+    fresh init leaves at zero (sinks, position biases, router bias, hash table) randomised."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(**(V4_TINY | overrides))
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".scale", "hc_scale")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(weight_scale * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(
+                    torch.stack(
+                        [
+                            torch.randperm(config.n_routed_experts, generator=g)[: b.shape[1]]
+                            for _ in range(b.shape[0])
+                        ]
+                    )
+                )
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
+    return path

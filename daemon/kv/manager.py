@@ -19,15 +19,22 @@ class KVUsage:
 
 
 class KVManager:
-    def __init__(self, groups: list[KVGroup], memory_bytes: int) -> None:
+    def __init__(self, groups: list[KVGroup], memory_bytes: int, max_num_seqs: int = 1) -> None:
         if not groups:
             raise ValueError("a model needs at least one KV group")
         self.groups = groups
-        # Every group gets blocks for the same number of token positions, so the
-        # budget is split in proportion to each group's bytes per token.
-        bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in groups)
-        capacity_tokens = int(memory_bytes // bytes_per_token)
-        self.pools = [BlockPool(capacity_tokens // g.spec.block_size) for g in groups]
+        # Per-request state gets one block per possible running request; what is
+        # left goes to paged groups, each with blocks for the same number of token
+        # positions, so the rest is split in proportion to their bytes per token.
+        fixed = [g for g in groups if g.spec.per_request]
+        paged = [g for g in groups if not g.spec.per_request]
+        memory_bytes -= sum(g.spec.bytes_per_block * max_num_seqs for g in fixed)
+        bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in paged)
+        capacity_tokens = int(max(memory_bytes, 0) // bytes_per_token) if paged else 0
+        self.pools = [
+            BlockPool(max_num_seqs if g.spec.per_request else capacity_tokens // g.spec.block_size)
+            for g in groups
+        ]
         self.tables: dict[str, list[list[int]]] = {}
 
     @property
@@ -38,7 +45,20 @@ class KVManager:
         return [KVUsage(p.num_blocks, p.num_free) for p in self.pools]
 
     def capacity_tokens(self) -> int:
-        return min(p.num_blocks * g.spec.block_size for p, g in zip(self.pools, self.groups))
+        paged = [(p, g) for p, g in zip(self.pools, self.groups) if not g.spec.per_request]
+        return min(p.num_blocks * g.spec.block_size for p, g in paged)
+
+    def bytes_per_token(self) -> float:
+        """Long-term KV bytes one token of context costs (paged groups only)."""
+        return sum(
+            g.spec.bytes_per_block / g.spec.block_size
+            for g in self.groups
+            if not g.spec.per_request
+        )
+
+    def bytes_per_request(self) -> int:
+        """Fixed state bytes each running request holds whatever its length."""
+        return sum(g.spec.bytes_per_block for g in self.groups if g.spec.per_request)
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         return self.tables[request_id]

@@ -166,12 +166,12 @@ class Engine:
         self.requests.pop(req.request_id, None)
 
     def stats(self) -> dict[str, object]:
-        usage = self.kv.usage()[0]
+        usage = self.kv.usage()
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": usage.num_blocks,
-            "kv_blocks_free": usage.num_free,
+            "kv_blocks_total": sum(u.num_blocks for u in usage),
+            "kv_blocks_free": sum(u.num_free for u in usage),
             "steps": self.steps,
         }
 

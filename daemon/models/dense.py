@@ -216,3 +216,17 @@ class DenseForCausalLM(nn.Module):
         if ".gate_up_proj." in param:
             return [self.cfg.intermediate_size] * 2
         return None
+
+    def param_parts(self, param: str) -> list[int | None]:
+        sizes = self.shard_sizes(param)
+        return list(range(len(sizes))) if sizes else [None]
+
+    def param_view(self, name: str, param: torch.Tensor, part: int | None) -> torch.Tensor:
+        if part is None:
+            return param
+        sizes = self.shard_sizes(name)
+        assert sizes is not None
+        return param.narrow(0, sum(sizes[:part]), sizes[part])
+
+    def covered_parts(self, param: str, part: int | None) -> list[int | None]:
+        return [part]

@@ -13,6 +13,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from daemon.models.deepseek_v4.config import V4Config
+from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from daemon.models.deepseek_v4.weights import is_scale, weight_of_scale
 from daemon.models.dense import DenseConfig, DenseForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -22,6 +25,7 @@ MODEL_TYPES: dict[str, tuple[Any, Any]] = {
     "mistral": (DenseConfig, DenseForCausalLM),
     "qwen2": (DenseConfig, DenseForCausalLM),
     "qwen3": (DenseConfig, DenseForCausalLM),
+    "deepseek_v4": (V4Config, DeepseekV4ForCausalLM),
 }
 
 
@@ -76,45 +80,56 @@ def load_weights(model: nn.Module, path: Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
-    params = dict(model.named_parameters())
-    expected: set[tuple[str, int | None]] = set()
-    for name in params:
-        sizes = model.shard_sizes(name)
-        expected.update((name, s) for s in (range(len(sizes)) if sizes else [None]))
-    loaded: set[tuple[str, int | None]] = set()
-    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    total = sum(len(list(h.keys())) for h in handles)
-    with tqdm(total=total, desc="loading weights", unit="tensor", leave=False) as bar:
-        for f, handle in zip(files, handles):
-            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                bar.update(1)
-                target = model.checkpoint_to_param(key)
-                if target is None:
-                    continue
-                name, shard = target
-                if name not in params:
-                    raise ModelLoadError(f"{f.name}: unexpected tensor {key!r}")
-                _copy_into(model, params[name], name, shard, handle.get_tensor(key), key)
-                loaded.add((name, shard))
-    missing = sorted(f"{n}" + ("" if s is None else f"[{s}]") for n, s in expected - loaded)
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    expected = {(name, part) for name in targets for part in model.param_parts(name)}
+    loaded: set[tuple[str, Any]] = set()
+    handles = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt", device="cpu")
+        handles.update({key: (f, handle) for key in handle.keys()})  # noqa: SIM118 (not a dict)
+    scales = {weight_of_scale(k): k for k in handles if is_scale(k)}
+    with tqdm(total=len(handles), desc="loading weights", unit="tensor", leave=False) as bar:
+        for key, (f, handle) in handles.items():
+            bar.update(1)
+            if key in scales.values():
+                continue  # read with its weight
+            target = model.checkpoint_to_param(key)
+            if target is None:
+                continue
+            name, part = target
+            tensor = handle.get_tensor(key)
+            if key in scales:
+                tensor = dequantize_fp8(tensor, handles[scales[key]][1].get_tensor(scales[key]))
+            if name.startswith("mtp.") and hasattr(model, "mtp"):
+                model.mtp[name.replace(".", "__")] = nn.Parameter(tensor, requires_grad=False)
+                continue
+            if name not in targets:
+                raise ModelLoadError(f"{f.name}: unexpected tensor {key!r}")
+            _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
+            loaded.update((name, p) for p in model.covered_parts(name, part))
+    missing = sorted(_describe(n, p) for n, p in expected - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors for: {', '.join(missing[:8])}")
 
 
-def _copy_into(
-    model: nn.Module,
-    param: nn.Parameter,
-    name: str,
-    shard: int | None,
-    tensor: torch.Tensor,
-    key: str,
-) -> None:
-    target = param.data
-    if shard is not None:
-        sizes = model.shard_sizes(name)
-        assert sizes is not None
-        offset = sum(sizes[:shard])
-        target = target.narrow(0, offset, sizes[shard])
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Block-scaled FP8 (one scale per block, 128x128 in DeepSeek checkpoints) to float32."""
+    rows, cols = weight.shape
+    block_rows = -(-rows // scale.shape[0])
+    block_cols = -(-cols // scale.shape[1])
+    full = (
+        scale.float()
+        .repeat_interleave(block_rows, 0)[:rows]
+        .repeat_interleave(block_cols, 1)[:, :cols]
+    )
+    return weight.float() * full
+
+
+def _describe(name: str, part: Any) -> str:
+    return name if part is None else f"{name}[{part}]"
+
+
+def _copy_into(target: torch.Tensor, tensor: torch.Tensor, key: str) -> None:
     if tuple(target.shape) != tuple(tensor.shape):
         raise ModelLoadError(
             f"tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"

@@ -72,35 +72,41 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def inv_freq_and_scaling(
+    rotary_dim: int, params: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of `rotary_dim // 2` channel pairs and the cos/sin scale."""
+    with torch.device("cpu"):  # models are built under a meta-device context
+        rope_type = params.get("rope_type", "default")
+        base = float(params["rope_theta"])
+        if rope_type == "default":
+            return _inv_freq_default(rotary_dim, base), 1.0
+        if rope_type == "linear":
+            return _inv_freq_default(rotary_dim, base) / params["factor"], 1.0
+        if rope_type == "llama3":
+            return _llama3(_inv_freq_default(rotary_dim, base), params), 1.0
+        if rope_type == "yarn":
+            return _yarn(rotary_dim, base, params, max_positions)
+    raise UnsupportedRope(f"rope_type {rope_type!r} is not supported")
+
+
+def cos_sin_tables(
+    rotary_dim: int, max_positions: int, params: dict[str, Any], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [max_positions, rotary_dim // 2], float32."""
+    inv_freq, scaling = inv_freq_and_scaling(rotary_dim, params, max_positions)
+    with torch.device("cpu"):
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        return (freqs.cos() * scaling).to(device), (freqs.sin() * scaling).to(device)
+
+
 class RotaryEmbedding:
     """cos/sin tables for positions [0, max_positions); applies the half-rotation layout."""
 
     def __init__(
         self, rotary_dim: int, max_positions: int, params: dict[str, Any], device: torch.device
     ) -> None:
-        with torch.device("cpu"):  # models are built under a meta-device context
-            self._build(rotary_dim, max_positions, params, device)
-
-    def _build(
-        self, rotary_dim: int, max_positions: int, params: dict[str, Any], device: torch.device
-    ) -> None:
-        rope_type = params.get("rope_type", "default")
-        base = float(params["rope_theta"])
-        scaling = 1.0
-        if rope_type == "default":
-            inv_freq = _inv_freq_default(rotary_dim, base)
-        elif rope_type == "linear":
-            inv_freq = _inv_freq_default(rotary_dim, base) / params["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3(_inv_freq_default(rotary_dim, base), params)
-        elif rope_type == "yarn":
-            inv_freq, scaling = _yarn(rotary_dim, base, params, max_positions)
-        else:
-            raise UnsupportedRope(f"rope_type {rope_type!r} is not supported")
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        self.cos = (freqs.cos() * scaling).to(device)
-        self.sin = (freqs.sin() * scaling).to(device)
+        self.cos, self.sin = cos_sin_tables(rotary_dim, max_positions, params, device)
         self.rotary_dim = rotary_dim
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,168 @@
+"""DeepSeek-V4 KV state as KV specs of the engine's manager, and its device storage.
+
+Per request (fixed size, one block each):
+  swa    ring of the last W-1+B raw KV per layer (B = prefix block tokens), so the
+         sliding state at the last block boundary is still there when a request ends
+  state  compressor open-window buffers and the CSA overlap (Ca of the last window)
+Paged, one block per B tokens (B = lcm of the compress rates, 128 for real configs):
+  csa    B/4 compressed entries + B/4 indexer keys per CSA layer, and the overlap
+         state at the block's end (what a resume from this boundary needs)
+  hca    B/128 compressed entries per HCA layer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from daemon.kv.spec import KVGroup, StateSpec
+from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
+
+SWA, STATE = "swa", "state"
+
+
+def ring_size(cfg: V4Config) -> int:
+    return cfg.sliding_window - 1 + cfg.block_tokens
+
+
+def kv_groups(cfg: V4Config, dtype: torch.dtype) -> list[KVGroup]:
+    item = torch.empty((), dtype=dtype).element_size()
+    hd, ihd, B = cfg.head_dim, cfg.index_head_dim, cfg.block_tokens
+    csa, hca = cfg.layers_of(CSA), cfg.layers_of(HCA)
+    m, mh = cfg.csa_rate, cfg.hca_rate
+    all_layers = tuple(range(cfg.num_layers))
+    groups = [
+        KVGroup(
+            StateSpec(
+                B, cfg.num_layers, dtype, SWA, ring_size(cfg) * hd * item * cfg.num_layers, True
+            ),
+            all_layers,
+        )
+    ]
+    # buffers: kv and gate of up to m tokens (2 series for CSA and its indexer); overlap: Ca kv + gate
+    csa_state = 2 * m * 2 * (hd + ihd) + 2 * m * (hd + ihd)
+    hca_state = 2 * mh * hd
+    state_floats = csa_state * len(csa) + hca_state * len(hca)
+    if state_floats:
+        groups.append(
+            KVGroup(
+                StateSpec(B, len(csa) + len(hca), torch.float32, STATE, state_floats * 4, True),
+                tuple(csa + hca),
+            )
+        )
+    if csa:
+        per_block = (B // m) * (hd + ihd) * item + 2 * m * (hd + ihd) * 4
+        groups.append(
+            KVGroup(StateSpec(B, len(csa), dtype, CSA, per_block * len(csa), False), tuple(csa))
+        )
+    if hca:
+        groups.append(
+            KVGroup(
+                StateSpec(B, len(hca), dtype, HCA, (B // mh) * hd * item * len(hca), False),
+                tuple(hca),
+            )
+        )
+    return groups
+
+
+@dataclass
+class CompressorState:
+    """One compressed layer's (or indexer's) storage; rows indexed by state block or paged block."""
+
+    buf_kv: torch.Tensor  # [state blocks, m, C]  projected kv of the open window
+    buf_gate: torch.Tensor  # [state blocks, m, C]  raw gate (+ position bias) of the open window
+    entries: torch.Tensor  # [paged blocks, B/m, dim]  compressed entries, RoPE applied
+    ovl_kv: torch.Tensor | None = None  # [state blocks, m, dim]  CSA: Ca of the last closed window
+    ovl_gate: torch.Tensor | None = None
+    block_ovl_kv: torch.Tensor | None = None  # [paged blocks, m, dim]  overlap at each block's end
+    block_ovl_gate: torch.Tensor | None = None
+
+
+@dataclass
+class V4SeqMeta:
+    q_start: int
+    start: int
+    num_tokens: int
+    swa_block: int
+    state_block: int
+    csa_table: list[int]
+    hca_table: list[int]
+    replay: bool = False  # bounded replay: window limited to this slice, compressors untouched
+    fresh: bool = False  # first step of a request: reset its per-request state
+
+
+@dataclass
+class V4Batch:
+    seqs: list[V4SeqMeta] = field(default_factory=list)
+
+    def to(self, device: torch.device) -> V4Batch:
+        return self
+
+
+class V4Cache:
+    def __init__(
+        self, cfg: V4Config, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+    ) -> None:
+        by_name = {g.spec.name: (g, n) for g, n in zip(groups, num_blocks)}
+        dtype = by_name[SWA][0].spec.dtype
+        self.cfg = cfg
+        self.group_index = {g.spec.name: i for i, g in enumerate(groups)}
+        self.ring = ring_size(cfg)
+        n_swa = by_name[SWA][1]
+        self.swa = [
+            torch.zeros(n_swa, self.ring, cfg.head_dim, dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        ]
+        self.layers: dict[int, CompressorState] = {}
+        self.indexers: dict[int, CompressorState] = {}
+        n_state = by_name[STATE][1] if STATE in by_name else 0
+        B, hd, ihd = cfg.block_tokens, cfg.head_dim, cfg.index_head_dim
+
+        def state(m: int, c: int, dim: int, n_paged: int, overlap: bool) -> CompressorState:
+            f32 = dict(dtype=torch.float32, device=device)
+            s = CompressorState(
+                buf_kv=torch.zeros(n_state, m, c, **f32),
+                buf_gate=torch.zeros(n_state, m, c, **f32),
+                entries=torch.zeros(n_paged, B // m, dim, dtype=dtype, device=device),
+            )
+            if overlap:
+                s.ovl_kv = torch.zeros(n_state, m, dim, **f32)
+                s.ovl_gate = torch.full((n_state, m, dim), float("-inf"), **f32)
+                s.block_ovl_kv = torch.zeros(n_paged, m, dim, **f32)
+                s.block_ovl_gate = torch.full((n_paged, m, dim), float("-inf"), **f32)
+            return s
+
+        for layer in cfg.layers_of(CSA):
+            n_csa = by_name[CSA][1]
+            self.layers[layer] = state(cfg.csa_rate, 2 * hd, hd, n_csa, True)
+            self.indexers[layer] = state(cfg.csa_rate, 2 * ihd, ihd, n_csa, True)
+        for layer in cfg.layers_of(HCA):
+            self.layers[layer] = state(cfg.hca_rate, hd, hd, by_name[HCA][1], False)
+
+    def build_attention(self, seqs) -> V4Batch:
+        gi = self.group_index
+        batch = V4Batch()
+        for s in seqs:
+            tables = s.block_tables
+            batch.seqs.append(
+                V4SeqMeta(
+                    q_start=s.q_start,
+                    start=s.start,
+                    num_tokens=s.num_tokens,
+                    swa_block=tables[gi[SWA]][0],
+                    state_block=tables[gi[STATE]][0] if STATE in gi else -1,
+                    csa_table=tables[gi[CSA]] if CSA in gi else [],
+                    hca_table=tables[gi[HCA]] if HCA in gi else [],
+                    replay=getattr(s, "replay", False),
+                    fresh=s.start == 0,
+                )
+            )
+        return batch
+
+    def reset_request(self, seq: V4SeqMeta) -> None:
+        """A new request took this state block: no open windows, no overlap yet."""
+        for st in list(self.layers.values()) + list(self.indexers.values()):
+            if st.ovl_kv is not None:
+                st.ovl_kv[seq.state_block].zero_()
+                st.ovl_gate[seq.state_block].fill_(float("-inf"))
