@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import structlog
@@ -10,7 +12,9 @@ from daemon.config import EngineConfig
 from daemon.demo import DEMO_NAME, ensure_demo_model, is_demo
 from daemon.device import resolve_device, resolve_dtype
 from daemon.kv.manager import KVManager
+from daemon.kv.swa_cache import SWACache
 from daemon.loop.engine import Engine
+from daemon.loop.prefix import PrefixCache
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
 from daemon.models.loader import checkpoint_dtype, load_model, read_config
@@ -32,7 +36,8 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     groups = model.kv_groups(dtype, cfg.block_size)
     kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
     runner = ModelRunner(model, groups, kv.num_blocks, device, cfg.max_num_seqs, cfg.seed)
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, cfg.overlap)
     if cfg.served_model_name:
@@ -51,6 +56,29 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         overlap=cfg.overlap,
     )
     return engine, name
+
+
+def _prefix_cache(
+    cfg: EngineConfig, kv: KVManager, runner: ModelRunner, hf_config: dict, dtype
+) -> PrefixCache | None:
+    if not kv.paged:
+        return None
+    fingerprint = json.dumps(hf_config, sort_keys=True) + str(dtype) + str(kv.prefix_block)
+    salt = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+    names = [getattr(g.spec, "name", "") for g in kv.groups]
+    if "swa" not in names:
+        return PrefixCache(kv, salt)
+    cache = runner.cache
+    swa = SWACache(int(cfg.swa_cache_memory_gb * 2**30), cfg.swa_cache_ttl_s)
+    return PrefixCache(
+        kv,
+        salt,
+        swa,
+        swa_group=names.index("swa"),
+        swa_bytes=cache.swa_snapshot_bytes,
+        window=cache.cfg.sliding_window,
+        policy=cfg.swa_miss_policy,
+    )
 
 
 def _config_eos(hf_config: dict) -> tuple[int, ...]:

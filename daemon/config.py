@@ -18,6 +18,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     overlap: bool = True
     seed: int = 0
+    prefix_caching: bool = True
+    swa_miss_policy: str = "replay"  # replay (bounded, approximate) | exact
+    swa_cache_memory_gb: float = 1.0
+    swa_cache_ttl_s: float = 180.0
 
 
 @dataclass

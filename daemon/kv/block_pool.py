@@ -1,8 +1,14 @@
-"""A pool of fixed-size KV blocks with reference counts and a free list."""
+"""A pool of fixed-size KV blocks with reference counts and an LRU free list.
+
+A freed block keeps its content: while it sits in the free list it can be taken
+back (a prefix-cache hit). Allocation takes the least recently freed block first
+and tells `on_reuse` so the prefix index forgets it.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Callable
 
 
 class OutOfBlocks(RuntimeError):
@@ -15,7 +21,8 @@ class BlockPool:
             raise ValueError("the KV pool needs at least one block; raise the memory budget")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.on_reuse: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -24,10 +31,20 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self.ref_counts[b] = 1
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            if self.on_reuse is not None:
+                self.on_reuse(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
+
+    def take(self, block: int) -> None:
+        """Reference a block by id: a free one (cached content) leaves the free list."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
 
     def incref(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -40,4 +57,4 @@ class BlockPool:
             raise ValueError(f"block {block} freed twice")
         self.ref_counts[block] = count - 1
         if count == 1:
-            self._free.append(block)
+            self._free[block] = None

@@ -36,6 +36,13 @@ class KVManager:
             for g in groups
         ]
         self.tables: dict[str, list[list[int]]] = {}
+        # prefix cache: key of a full block -> its block in every paged group
+        self.paged = [i for i, g in enumerate(groups) if not g.spec.per_request]
+        self.prefix_block = groups[self.paged[0]].spec.block_size if self.paged else 0
+        self.cached: dict[bytes, list[int]] = {}
+        self._key_of: list[dict[int, bytes]] = [{} for _ in groups]
+        for i in self.paged:
+            self.pools[i].on_reuse = lambda block, i=i: self._forget(i, block)
 
     @property
     def num_blocks(self) -> list[int]:
@@ -84,6 +91,43 @@ class KVManager:
             if m > 0:
                 table.extend(pool.allocate(m))
         return True
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """How many leading blocks of a chain of keys are cached."""
+        n = 0
+        while n < len(keys) and keys[n] in self.cached:
+            n += 1
+        return n
+
+    def take_prefix(self, request_id: str, keys: list[bytes]) -> None:
+        """Start the request's tables with the cached blocks of `keys` (all must be cached)."""
+        tables = self.tables.setdefault(request_id, [[] for _ in self.groups])
+        assert all(not tables[i] for i in self.paged), "a prefix goes in front of an empty table"
+        for key in keys:
+            for i, block in zip(self.paged, self.cached[key]):
+                self.pools[i].take(block)
+                tables[i].append(block)
+
+    def register(self, request_id: str, index: int, key: bytes) -> None:
+        """Block `index` of the request is full and computed: make it findable by `key`."""
+        if key in self.cached:
+            return
+        tables = self.tables[request_id]
+        blocks = [tables[i][index] for i in self.paged]
+        if any(block in self._key_of[i] for i, block in zip(self.paged, blocks)):
+            return  # the block already stands for another prefix (it was taken from the cache)
+        self.cached[key] = blocks
+        for i, block in zip(self.paged, blocks):
+            self._key_of[i][block] = key
+
+    def _forget(self, group: int, block: int) -> None:
+        key = self._key_of[group].pop(block, None)
+        if key is None:
+            return
+        for i, other in zip(self.paged, self.cached.pop(key)):
+            self._key_of[i].pop(other, None)
 
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)

@@ -186,7 +186,8 @@ class Engine:
                 if self.overlap or not inflight:
                     step = self.scheduler.schedule()
                 if step is not None:
-                    prepared = self.runner.prepare(step, self.kv)
+                    saves = self.scheduler.prefix.take_saves() if self.scheduler.prefix else []
+                    prepared = self.runner.prepare(step, self.kv, saves)
                     inflight.append(
                         (step, loop.run_in_executor(self._executor, self.runner.execute, prepared))
                     )

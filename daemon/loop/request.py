@@ -6,6 +6,7 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -119,6 +120,13 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     outputs: asyncio.Queue[RequestOutput] | None = None
+    # prefix cache
+    cache_salt: bytes = b""
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks already findable in the prefix cache
+    replay_from: int = 0  # a bounded replay recomputes [replay_from, replay_until) with its
+    replay_until: int = 0  # sliding window limited to that range
+    pending_restore: Any = None  # a prefix.RestoreOp for the request's next first step
 
     @property
     def num_prompt_tokens(self) -> int:

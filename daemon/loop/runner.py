@@ -16,6 +16,7 @@ from torch import nn
 
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
+from daemon.loop.prefix import RestoreOp, SaveOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -42,6 +43,8 @@ class PreparedStep:
     new_penalty_states: list[tuple[int, list[int], list[int]]]  # (slot, prompt, outputs)
     penalty_rows: list[int]
     penalty_slots: list[int]
+    saves: list[SaveOp]  # snapshot sliding-window state before anything reuses its block
+    restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
 
 
 @dataclass
@@ -73,7 +76,7 @@ class ModelRunner:
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
-    def prepare(self, step: SchedulerStep, kv: KVManager) -> PreparedStep:
+    def prepare(self, step: SchedulerStep, kv: KVManager, saves: list[SaveOp]) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         placeholder_rows: list[int] = []
@@ -86,6 +89,7 @@ class ModelRunner:
         new_penalty_states = []
         penalty_rows: list[int] = []
         penalty_slots: list[int] = []
+        restores: list[tuple[RestoreOp, list[list[int]]]] = []
 
         for seq in step.seqs:
             req = seq.request
@@ -104,10 +108,12 @@ class ModelRunner:
                 placeholder_slots.append(req.slot)
                 input_ids.append(-1)
             positions.extend(range(start, end))
-            slices.append(
-                SeqSlice(q_start, start, n, kv.block_tables(req.request_id), seq.is_decode)
-            )
-            if start == 0 and req.params.has_penalties:
+            tables = kv.block_tables(req.request_id)
+            floor = req.replay_from if seq.replay else 0
+            slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
+            if seq.restore is not None:
+                restores.append((seq.restore, [list(t) for t in tables]))
+            if seq.first and req.params.has_penalties:
                 new_penalty_states.append((req.slot, list(req.prompt_ids), list(req.output_ids)))
             if seq.samples:
                 if req.params.has_penalties:
@@ -132,6 +138,8 @@ class ModelRunner:
             new_penalty_states=new_penalty_states,
             penalty_rows=penalty_rows,
             penalty_slots=penalty_slots,
+            saves=saves,
+            restores=restores,
         )
 
     # ---- device side (worker thread) -------------------------------------------------------
@@ -160,6 +168,10 @@ class ModelRunner:
 
     def _execute(self, step: PreparedStep) -> SampleResult | None:
         dev = self.device
+        for save in step.saves:
+            save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
+        for restore, tables in step.restores:
+            self.cache.restore(restore, tables)
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():
             rows = step.placeholder_rows.to(dev, non_blocking=True)

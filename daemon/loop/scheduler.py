@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import structlog
 
 from daemon.kv.manager import KVManager
+from daemon.loop.prefix import PrefixCache, RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -21,6 +22,9 @@ class ScheduledSeq:
     num_tokens: int
     samples: bool  # the step ends at the sequence's last scheduled token, so it samples
     sample_index: int  # which output token this sample is (seeds the per-request generator)
+    replay: bool = False  # a bounded replay chunk: window limited to the replayed range
+    restore: RestoreOp | None = None  # state to bring back before this step
+    first: bool = False  # the request's first step since it was (re)admitted
 
     @property
     def is_decode(self) -> bool:
@@ -42,8 +46,10 @@ class Scheduler:
         kv: KVManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.kv = kv
+        self.prefix = prefix
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -65,6 +71,9 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         preempted = False
 
+        if self.prefix is not None:
+            for req in self.running:
+                self.prefix.register(req)
         for req in sorted(self.running, key=lambda r: r.sort_key):
             if budget == 0:
                 break
@@ -101,27 +110,40 @@ class Scheduler:
             if req.num_inflight_steps > 0:
                 i += 1  # preempted mid-flight: its last tokens are not on the host yet
                 continue
+            if self.prefix is not None and req.num_computed == 0:
+                self.prefix.admit(req)
             n = min(self._tokens_to_compute(req), budget)
             if not self.kv.grow(req.request_id, req.num_computed + n):
+                self.kv.free(req.request_id)  # gives back any prefix it took
+                req.num_computed = req.replay_until = req.num_registered = 0
+                req.pending_restore = None
                 break
             self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             req.slot = self._free_slots.pop()
             self.running.append(req)
-            scheduled.append(self._commit(req, n))
+            seq = self._commit(req, n)
+            seq.first = True
+            scheduled.append(seq)
             budget -= n
         return budget
 
     def _tokens_to_compute(self, req: Request) -> int:
         if req.num_sampled_scheduled >= req.params.max_tokens:
             return 0  # its last token is asked for; only the output stage is left
+        if req.num_computed < req.replay_until:
+            return req.replay_until - req.num_computed  # a replay chunk never runs past its end
         return req.seq_len - req.num_computed
 
     def _commit(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed
         req.num_computed += n
         samples = req.num_computed == req.seq_len
-        seq = ScheduledSeq(req, start, n, samples, req.num_sampled_scheduled)
+        replay = start < req.replay_until
+        seq = ScheduledSeq(
+            req, start, n, samples, req.num_sampled_scheduled, replay, req.pending_restore
+        )
+        req.pending_restore = None
         if samples:
             req.num_sampled_scheduled += 1
         req.num_inflight_steps += 1
@@ -136,6 +158,8 @@ class Scheduler:
         return max(candidates, key=lambda r: r.sort_key)
 
     def _release(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.leave(req)
         self.kv.free(req.request_id)
         if req.slot >= 0:
             self._free_slots.append(req.slot)
@@ -145,7 +169,7 @@ class Scheduler:
         """Free everything the request holds; it recomputes from its known tokens later."""
         self._release(req)
         self.running.remove(req)
-        req.num_computed = 0
+        req.num_computed = req.replay_until = req.num_registered = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         log.debug("preempt", request_id=req.request_id, tokens=req.seq_len)

@@ -56,6 +56,8 @@ class SeqSlice:
     num_tokens: int
     block_tables: list[list[int]]  # one per KV group
     is_decode: bool
+    replay: bool = False
+    window_floor: int = 0  # replay: no raw KV below this position is used
 
 
 class PagedKVCache:

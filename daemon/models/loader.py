@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from daemon.models.deepseek_v4.weights import is_scale, weight_of_scale
+from daemon.models.deepseek_v4.weights import describe_part, is_scale, mtp_key, weight_of_scale
 from daemon.models.dense import DenseConfig, DenseForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -64,11 +64,17 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
         cfg = config_cls.from_hf(hf_config)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{path}/config.json: {e}") from e
-    with torch.device("meta"):
-        model = model_cls(cfg, device)
+    # Built with `dtype` as the default: what a model declares float32 (DeepSeek-V4's norms,
+    # hyper-connections, sinks, router bias, position biases) stays float32, as in the reference.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(cfg, device)
+    finally:
+        torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    model.to(dtype)
-    load_weights(model, path)
+    load_weights(model, path, fp8_block_size(hf_config), dtype)
     model.eval()
     log.info(
         "model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device)
@@ -76,22 +82,51 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
     return LoadedModel(model, hf_config, dtype, path)
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_block_size(hf_config: dict[str, Any]) -> tuple[int, int]:
+    """The FP8 scale block of a checkpoint: `quantization_config.weight_block_size`, else
+    DeepSeek's 128x128."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
+
+
+def load_weights(
+    model: nn.Module,
+    path: Path,
+    block_size: tuple[int, int] = (128, 128),
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Fill `model` from the *.safetensors in `path`. FP8 weights are dequantised with their
+    block scales; `mtp.*` tensors go to `model.mtp` as stored (dequantised FP8 ones as `dtype`,
+    by default the embedding's)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     expected = {(name, part) for name in targets for part in model.param_parts(name)}
-    loaded: set[tuple[str, Any]] = set()
+    loaded: dict[tuple[str, Any], str] = {}  # part -> the checkpoint tensor that filled it
     handles = {}
     for f in files:
         handle = safe_open(str(f), framework="pt", device="cpu")
         handles.update({key: (f, handle) for key in handle.keys()})  # noqa: SIM118 (not a dict)
-    scales = {weight_of_scale(k): k for k in handles if is_scale(k)}
+    scales = {
+        weight_of_scale(k): k for k in handles if is_scale(k) and not _is_param(model, targets, k)
+    }
+    orphans = sorted(k for w, k in scales.items() if w not in handles)
+    if orphans:
+        raise ModelLoadError(
+            f"checkpoint {path} has FP8 scales without their weight: {', '.join(orphans[:8])}"
+        )
+    scale_keys = set(scales.values())
+    mtp = getattr(model, "mtp", None)
+    like = next((p for p in model.parameters() if p.is_floating_point()), None)
+    mtp_dtype = dtype or (like.dtype if like is not None else None)
     with tqdm(total=len(handles), desc="loading weights", unit="tensor", leave=False) as bar:
         for key, (f, handle) in handles.items():
             bar.update(1)
-            if key in scales.values():
+            if key in scale_keys:
                 continue  # read with its weight
             target = model.checkpoint_to_param(key)
             if target is None:
@@ -99,34 +134,73 @@ def load_weights(model: nn.Module, path: Path) -> None:
             name, part = target
             tensor = handle.get_tensor(key)
             if key in scales:
-                tensor = dequantize_fp8(tensor, handles[scales[key]][1].get_tensor(scales[key]))
-            if name.startswith("mtp.") and hasattr(model, "mtp"):
-                model.mtp[name.replace(".", "__")] = nn.Parameter(tensor, requires_grad=False)
+                scale = handles[scales[key]][1].get_tensor(scales[key])
+                tensor = dequantize_fp8(tensor, scale, block_size, key)
+            elif tensor.dtype in FP8_DTYPES:
+                raise ModelLoadError(f"{f.name}: FP8 tensor {key!r} has no scale beside it")
+            if name.startswith("mtp.") and mtp is not None:
+                if key in scales and mtp_dtype is not None:
+                    tensor = tensor.to(mtp_dtype)  # dequantised; otherwise as stored
+                if like is not None:
+                    tensor = tensor.to(device=like.device)
+                mtp[mtp_key(name)] = nn.Parameter(tensor, requires_grad=False)
                 continue
             if name not in targets:
                 raise ModelLoadError(f"{f.name}: unexpected tensor {key!r}")
             _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
-            loaded.update((name, p) for p in model.covered_parts(name, part))
-    missing = sorted(_describe(n, p) for n, p in expected - loaded)
+            for covered in model.covered_parts(name, part):
+                if (name, covered) in loaded:
+                    raise ModelLoadError(
+                        f"checkpoint tensors {loaded[(name, covered)]!r} and {key!r} both "
+                        f"fill {_describe(name, covered)}"
+                    )
+                loaded[(name, covered)] = key
+    missing = sorted(_describe(n, p) for n, p in expected - loaded.keys())
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors for: {', '.join(missing[:8])}")
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Block-scaled FP8 (one scale per block, 128x128 in DeepSeek checkpoints) to float32."""
-    rows, cols = weight.shape
-    block_rows = -(-rows // scale.shape[0])
-    block_cols = -(-cols // scale.shape[1])
-    full = (
-        scale.float()
-        .repeat_interleave(block_rows, 0)[:rows]
-        .repeat_interleave(block_cols, 1)[:, :cols]
-    )
+def dequantize_fp8(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    key: str = "weight",
+) -> torch.Tensor:
+    """Block-scaled FP8 to float32: `scale[..., i, j]` multiplies the block of rows
+    i*block_size[0].. and columns j*block_size[1].. of `weight[...]` (edge blocks may be
+    partial). A one-element scale is per-tensor. Scales may be float32 or UE8M0."""
+    if weight.dtype not in FP8_DTYPES:
+        raise ModelLoadError(
+            f"{key!r} has a scale but dtype {weight.dtype}; only FP8 "
+            "(float8_e4m3fn, float8_e5m2) block-scaled weights are supported"
+        )
+    if scale.numel() == 1:
+        return weight.float() * scale.float().reshape(())
+    if weight.dim() < 2:
+        raise ModelLoadError(f"{key!r} has shape {tuple(weight.shape)}: no blocks to scale")
+    rows, cols = weight.shape[-2:]
+    br, bc = block_size
+    want = (*weight.shape[:-2], -(-rows // br), -(-cols // bc))
+    if tuple(scale.shape) != want:
+        raise ModelLoadError(
+            f"{key!r} has shape {tuple(weight.shape)} and a scale of shape "
+            f"{tuple(scale.shape)}; {br}x{bc} blocks need {want}"
+        )
+    full = scale.float().repeat_interleave(br, -2)[..., :rows, :]
+    full = full.repeat_interleave(bc, -1)[..., :cols]
     return weight.float() * full
 
 
+def _is_param(model: nn.Module, targets: dict[str, torch.Tensor], key: str) -> bool:
+    """A checkpoint name that maps to a model tensor is never an FP8 scale."""
+    target = model.checkpoint_to_param(key)
+    return target is not None and target[0] in targets
+
+
 def _describe(name: str, part: Any) -> str:
-    return name if part is None else f"{name}[{part}]"
+    if part is None:
+        return name
+    return f"{name}[{describe_part(part) if isinstance(part, tuple) else part}]"
 
 
 def _copy_into(target: torch.Tensor, tensor: torch.Tensor, key: str) -> None:

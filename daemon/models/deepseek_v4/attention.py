@@ -124,7 +124,7 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         n, start = seq.num_tokens, seq.start
         ring = cache.swa[self.layer][seq.swa_block]
-        prev = 0 if seq.replay else min(start, self.window - 1)
+        prev = min(start - seq.window_floor, self.window - 1)
         ring_pos = torch.arange(start - prev, start, device=kv.device)
         keys = torch.cat((ring[ring_pos % cache.ring].to(kv.dtype), kv))
         key_pos = torch.arange(start - prev, start + n, device=kv.device)

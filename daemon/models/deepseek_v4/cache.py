@@ -88,7 +88,8 @@ class V4SeqMeta:
     state_block: int
     csa_table: list[int]
     hca_table: list[int]
-    replay: bool = False  # bounded replay: window limited to this slice, compressors untouched
+    replay: bool = False  # bounded replay: compressors untouched, window from window_floor
+    window_floor: int = 0
     fresh: bool = False  # first step of a request: reset its per-request state
 
 
@@ -154,8 +155,9 @@ class V4Cache:
                     state_block=tables[gi[STATE]][0] if STATE in gi else -1,
                     csa_table=tables[gi[CSA]] if CSA in gi else [],
                     hca_table=tables[gi[HCA]] if HCA in gi else [],
-                    replay=getattr(s, "replay", False),
-                    fresh=s.start == 0,
+                    replay=s.replay,
+                    window_floor=s.window_floor,
+                    fresh=s.start == 0 and not s.replay,
                 )
             )
         return batch
@@ -166,3 +168,36 @@ class V4Cache:
             if st.ovl_kv is not None:
                 st.ovl_kv[seq.state_block].zero_()
                 st.ovl_gate[seq.state_block].fill_(float("-inf"))
+
+    # ---- prefix reuse ----------------------------------------------------------------------
+
+    @property
+    def swa_snapshot_bytes(self) -> int:
+        t = self.swa[0]
+        return self.cfg.num_layers * (self.cfg.sliding_window - 1) * t.shape[-1] * t.element_size()
+
+    def _window_before(self, position: int) -> torch.Tensor:
+        first = max(0, position - (self.cfg.sliding_window - 1))
+        return torch.arange(first, position, device=self.swa[0].device) % self.ring
+
+    def save_swa(self, swa_block: int, position: int) -> torch.Tensor:
+        """The raw KV of the W-1 positions before `position`, every layer, in host memory."""
+        idx = self._window_before(position)
+        return torch.stack([ring[swa_block, idx] for ring in self.swa]).to("cpu", copy=True)
+
+    def restore(self, op, tables: list[list[int]]) -> None:
+        """Per-request state at a block boundary: the window (if stored) and the CSA overlap."""
+        swa_block = tables[self.group_index[SWA]][0]
+        if op.snapshot is not None:
+            idx = self._window_before(op.position)
+            snap = op.snapshot.tensor.to(self.swa[0].device)
+            for layer, ring in enumerate(self.swa):
+                ring[swa_block, idx] = snap[layer]
+        if STATE not in self.group_index or CSA not in self.group_index:
+            return
+        state_block = tables[self.group_index[STATE]][0]
+        boundary_block = tables[self.group_index[CSA]][op.position // self.cfg.block_tokens - 1]
+        for layer in self.cfg.layers_of(CSA):
+            for st in (self.layers[layer], self.indexers[layer]):
+                st.ovl_kv[state_block] = st.block_ovl_kv[boundary_block]
+                st.ovl_gate[state_block] = st.block_ovl_gate[boundary_block]

@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
+from torch import nn
+
 from daemon.models.deepseek_v4.config import V4Config
 
 Part = Any  # None = the whole tensor, or ("expert", e, half), ("rows", half), ("stacked",)
@@ -82,19 +85,43 @@ _SHARED = {
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+_HC_SCALE = re.compile(r"(^|\.)(\w*hc|hc_\w*)\.scale$")
+
+
 def is_scale(name: str) -> bool:
-    """FP8 block scales travel beside their weight: `x.scale` or `x.weight_scale_inv`."""
-    return (
-        name.endswith(".scale")
-        and not name.endswith("hc.scale")
-        or name.endswith("weight_scale_inv")
-    )
+    """FP8 block scales travel beside their weight: DeepSeek's `x.scale` (for `x.weight`) or
+    Hugging Face's `x.weight_scale_inv` (stacked experts: `experts.gate_up_proj_scale_inv`).
+    The hyper-connection parameters `attn_hc.scale` / `ffn_hc.scale` are real tensors."""
+    if name.endswith("_scale_inv"):
+        return True
+    return name.endswith(".scale") and _HC_SCALE.search(name) is None
 
 
 def weight_of_scale(name: str) -> str:
-    if name.endswith("weight_scale_inv"):
+    if name.endswith("_scale_inv"):
         return name[: -len("_scale_inv")]
     return name[: -len("scale")] + "weight"
+
+
+def describe_part(part: Part) -> str:
+    """A readable name for a part of a fused parameter, for load errors."""
+    if part[0] == "expert":
+        which = {None: "w2 (down)", 0: "w1 (gate)", 1: "w3 (up)"}[part[2]]
+        return f"expert {part[1]} {which}"
+    if part[0] == "rows":
+        return ("w1 (gate)", "w3 (up)")[part[1]]
+    return " ".join(str(p) for p in part)
+
+
+def mtp_key(name: str) -> str:
+    """`mtp.0.e_proj.weight` -> the key it has in the model's `mtp` ParameterDict."""
+    return name.replace(".", "__")
+
+
+def mtp_weights(mtp: nn.ParameterDict) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction tensors a checkpoint held, under their checkpoint names
+    (`mtp.0.enorm.weight`, ..., without a `model.` prefix; FP8 weights dequantized)."""
+    return {key.replace("__", "."): value for key, value in mtp.items()}
 
 
 def checkpoint_target(name: str, cfg: V4Config) -> tuple[str, Part] | None:
@@ -102,6 +129,8 @@ def checkpoint_target(name: str, cfg: V4Config) -> tuple[str, Part] | None:
         name = name[len("model.") :]
     if name.startswith("mtp."):
         return name, None  # kept aside by the loader, for speculative decoding
+    if ".rotary_emb." in name or name.startswith("rotary_emb."):
+        return None  # derived from the config; some exports include these buffers
     if name in _TOP:
         return _TOP[name], None
     match = _LAYER_NAME.fullmatch(name)
