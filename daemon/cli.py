@@ -37,6 +37,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | npu")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="recompute every prompt from scratch"
+    )
+    g.add_argument(
+        "--swa-miss-policy",
+        default=d.swa_miss_policy,
+        choices=("replay", "exact"),
+        help="DeepSeek-V4, cached blocks but no sliding-window state: bounded replay or exact",
+    )
+    g.add_argument("--swa-cache-memory-gb", type=float, default=d.swa_cache_memory_gb)
+    g.add_argument("--swa-cache-ttl-s", type=float, default=d.swa_cache_ttl_s)
     g.add_argument("--log-level", default="info", choices=LEVELS)
     g.add_argument("--log-format", default="console", choices=("console", "json"))
 
@@ -54,6 +65,10 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         overlap=not a.no_overlap,
         seed=a.seed,
+        prefix_caching=not a.no_prefix_caching,
+        swa_miss_policy=a.swa_miss_policy,
+        swa_cache_memory_gb=a.swa_cache_memory_gb,
+        swa_cache_ttl_s=a.swa_cache_ttl_s,
     )
 
 

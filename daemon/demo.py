@@ -15,22 +15,41 @@ from safetensors.torch import save_file
 
 log = structlog.get_logger(__name__)
 
-DEMO_NAME = "deepinfer-demo-dense-random"
-DEMO_VERSION = 1
+DEMO_NAME = "deepinfer-demo-deepseek-v4-random"
+DEMO_VERSION = 2
+_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 DEMO_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
     "vocab_size": 129280,
     "hidden_size": 256,
-    "intermediate_size": 768,
+    "moe_intermediate_size": 256,
     "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "layer_types": [_HCA, _CSA, _HCA, _CSA],
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+    "compress_rates": {_CSA: 4, _HCA: 128},
+    "sliding_window": 128,
+    "index_n_heads": 8,
+    "index_head_dim": 64,
+    "index_topk": 64,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "max_position_embeddings": 65536,
+    "num_nextn_predict_layers": 0,
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "tie_word_embeddings": True,
     "bos_token_id": 0,
     "eos_token_id": 1,
     "dtype": "float32",
@@ -50,31 +69,29 @@ def _tokenizer_files() -> list[Path]:
 
 
 def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Initialise our V4 model from a seeded generator and export it under HF names."""
+    from daemon.models.deepseek_v4.config import V4Config
+    from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from daemon.models.deepseek_v4.weights import hf_state_dict
+
     g = torch.Generator().manual_seed(seed)
-    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.02
-
-    weights = {
-        "model.embed_tokens.weight": normal(cfg["vocab_size"], h),
-        "model.norm.weight": torch.ones(h),
-    }
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        weights |= {
-            p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": normal(q, h),
-            p + "self_attn.k_proj.weight": normal(kv, h),
-            p + "self_attn.v_proj.weight": normal(kv, h),
-            p + "self_attn.o_proj.weight": normal(h, q),
-            p + "mlp.gate_proj.weight": normal(i, h),
-            p + "mlp.up_proj.weight": normal(i, h),
-            p + "mlp.down_proj.weight": normal(h, i),
-        }
-    return weights
+    model = DeepseekV4ForCausalLM(V4Config.from_hf(cfg), torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".scale", "hc_scale")):
+                p.fill_(1.0)
+            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = cfg["n_routed_experts"]
+                ranks = torch.rand(b.shape[0], experts, generator=g).argsort(dim=-1)
+                b.copy_(ranks[:, : b.shape[1]])
+            else:
+                b.zero_()
+    return hf_state_dict(model)
 
 
 def ensure_demo_model() -> Path:

@@ -154,3 +154,27 @@ def checkpoint_target(name: str, cfg: V4Config) -> tuple[str, Part] | None:
         if rest.startswith(old) and rest[len(old) :] in _COMPRESSOR:
             return prefix + new + _COMPRESSOR[rest[len(old) :]], None
     return prefix + rest, None  # Hugging Face names equal ours elsewhere
+
+
+def hf_state_dict(model) -> dict:
+    """Our parameters under Hugging Face's DeepseekV4ForCausalLM names (stacked experts)."""
+    out = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("mtp."):
+            continue
+        hf = name if name == "lm_head.weight" else "model." + name
+        hf = hf.replace(".self_attn.indexer.compressor.", ".self_attn.compressor.indexer.")
+        hf = hf.replace(
+            ".self_attn.indexer.weights_proj.", ".self_attn.compressor.indexer.scorer.weights_proj."
+        )
+        hf = hf.replace(".self_attn.indexer.q_b_proj.", ".self_attn.compressor.indexer.q_b_proj.")
+        hf = hf.replace(".mlp.gate_up_proj", ".mlp.experts.gate_up_proj").replace(
+            ".mlp.down_proj", ".mlp.experts.down_proj"
+        )
+        if hf.endswith("shared_experts.gate_up_proj.weight"):
+            gate, up = tensor.detach().chunk(2, dim=0)
+            out[hf.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+            out[hf.replace("gate_up_proj", "up_proj")] = up.contiguous()
+            continue
+        out[hf] = tensor.detach().contiguous()
+    return out
