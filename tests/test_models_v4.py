@@ -136,3 +136,23 @@ def test_decode_across_128_token_blocks_equals_recompute(tmp_path: Path) -> None
     logits = h.run(generated, [100] + [1] * 299)
     assert torch.equal(logits[99:].argmax(-1), generated[100:])  # greedy tokens identical
     assert (logits - reference_logits(path, generated)[:399]).abs().max() <= 1e-4
+
+
+def test_batched_decodes_equal_each_alone(checkpoint: Path) -> None:
+    """Decodes of several requests at different positions run as one padded batch."""
+    model = load_model(checkpoint, CPU, torch.float32).model
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(2, 512, (n,), generator=g) for n in (30, 9, 17)]
+    prompts = [s[:-12] for s in seqs]
+    alone = [Harness(model).run(s, [len(p)] + [1] * 12) for s, p in zip(seqs, prompts)]
+    h = Harness(model, max_seqs=3)
+    together: list[list[torch.Tensor]] = [h.step([(i, p, 0)]) for i, p in enumerate(prompts)]
+    for k in range(12):
+        parts = [
+            (i, s[len(p) + k : len(p) + k + 1], len(p) + k)
+            for i, (s, p) in enumerate(zip(seqs, prompts))
+        ]
+        for i, logits in enumerate(h.step(parts)):
+            together[i].append(logits)
+    for a, t in zip(alone, together):
+        assert (torch.cat(t) - a).abs().max() <= 1e-4

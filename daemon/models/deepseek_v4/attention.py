@@ -37,14 +37,13 @@ class Indexer(nn.Module):
     def select(
         self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """q [n, heads, dim], weights [n, heads], keys [E, dim], visible [n, E] -> chosen [n, E] bool."""
-        scores = F.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * self.dim**-0.5
-        scores = (scores * (weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=1)
+        """q [B, n, heads, dim], weights [B, n, heads], keys [B, E, dim], visible [B, n, E]
+        -> the chosen entries [B, n, E] (top-k of the visible by score)."""
+        scores = F.relu(torch.einsum("bnhd,bed->bnhe", q.float(), keys.float())) * self.dim**-0.5
+        scores = (scores * (weights.float() * self.heads**-0.5).unsqueeze(-1)).sum(dim=2)
         scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.topk, keys.shape[0])
-        top = scores.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, top, True)
+        top = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(-1, top, True)
         return chosen & visible
 
 
@@ -110,10 +109,16 @@ class V4Attention(nn.Module):
                 self.indexer.compressor.gate_proj(x),
             )
         out = torch.empty_like(q)
+        decodes = [s for s in batch.seqs if s.num_tokens == 1 and not s.replay]
+        if decodes:
+            rows, o = self._attend_decodes(decodes, q, kv, projected, index_inputs, cache)
+            out[rows] = o
         for seq in batch.seqs:
+            if seq.num_tokens == 1 and not seq.replay:
+                continue
             rows = slice(seq.q_start, seq.q_start + seq.num_tokens)
             out[rows] = self._attend(
-                seq, rows, q[rows], kv[rows], positions[rows], projected, index_inputs, cache
+                seq, rows, q, kv, positions[rows], projected, index_inputs, cache
             )
         out = self.rope.apply(out, cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.cfg.o_groups, -1)).flatten(1)
@@ -121,8 +126,10 @@ class V4Attention(nn.Module):
 
     def _attend(
         self, seq: V4SeqMeta, rows: slice, q, kv, pos, projected, index_inputs, cache: V4Cache
-    ) -> torch.Tensor:
+    ):
+        """One request's chunk of n tokens (prefill, chunked prefill or replay)."""
         n, start = seq.num_tokens, seq.start
+        kv = kv[rows]
         ring = cache.swa[self.layer][seq.swa_block]
         prev = min(start - seq.window_floor, self.window - 1)
         ring_pos = torch.arange(start - prev, start, device=kv.device)
@@ -131,7 +138,6 @@ class V4Attention(nn.Module):
         keep = min(n, cache.ring)
         ring[pos[-keep:] % cache.ring] = kv[-keep:].to(ring.dtype)
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
-
         if self.compressor is not None:
             table = seq.csa_table if self.kind == CSA else seq.hca_table
             st = cache.layers[self.layer]
@@ -145,34 +151,97 @@ class V4Attention(nn.Module):
                     table,
                     self.compress_rope,
                 )
+                if self.indexer is not None:
+                    self.indexer.compressor.update(
+                        index_inputs[2][rows],
+                        index_inputs[3][rows],
+                        start,
+                        cache.indexers[self.layer],
+                        seq.state_block,
+                        table,
+                        self.compress_rope,
+                    )
             count = (start + n) // self.rate
             entries = Compressor.gather(st, table, count).to(kv.dtype)
             visible = (
                 torch.arange(count, device=kv.device)[None, :] < ((pos + 1) // self.rate)[:, None]
             )
             if self.indexer is not None and count:
-                iq, iw, ikv, igate = (x[rows] for x in index_inputs)
-                ist = cache.indexers[self.layer]
-                if not seq.replay:
-                    self.indexer.compressor.update(
-                        ikv, igate, start, ist, seq.state_block, table, self.compress_rope
-                    )
-                visible = self.indexer.select(iq, iw, Compressor.gather(ist, table, count), visible)
-            elif self.indexer is not None and not seq.replay:
-                self.indexer.compressor.update(
-                    *(x[rows] for x in index_inputs[2:]),
-                    start,
-                    cache.indexers[self.layer],
-                    seq.state_block,
-                    table,
-                    self.compress_rope,
-                )
+                index_keys = Compressor.gather(cache.indexers[self.layer], table, count)
+                visible = self.indexer.select(
+                    index_inputs[0][rows][None],
+                    index_inputs[1][rows][None],
+                    index_keys[None],
+                    visible[None],
+                )[0]
             keys = torch.cat((keys, entries))
             mask = torch.cat((mask, visible), dim=1)
+        return self._sink_attention(q[rows][None], keys[None], mask[None])[0]
 
-        logits = torch.einsum("nhd,ld->hnl", q, keys).float() * self.head_dim**-0.5
-        logits = logits.masked_fill(~mask, float("-inf"))
-        sinks = self.sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+    def _attend_decodes(
+        self, seqs: list[V4SeqMeta], q, kv, projected, index_inputs, cache: V4Cache
+    ):
+        """Every one-token step of the batch at once: windows from the rings, compressed
+        entries padded to the longest request."""
+        dev = kv.device
+        rows = torch.tensor([s.q_start for s in seqs], device=dev)
+        starts = [s.start for s in seqs]
+        t = torch.tensor(starts, device=dev)
+        ring = cache.swa[self.layer]
+        swa_blocks = torch.tensor([s.swa_block for s in seqs], device=dev)
+        key_pos = t[:, None] + torch.arange(1 - self.window, 0, device=dev)[None, :]  # [B, W-1]
+        prev = ring[swa_blocks[:, None], key_pos.clamp(min=0) % cache.ring].to(kv.dtype)
+        new_kv = kv[rows]
+        keys = torch.cat((prev, new_kv[:, None]), dim=1)
+        mask = torch.cat((key_pos >= 0, torch.ones_like(t, dtype=torch.bool)[:, None]), dim=1)
+        ring[swa_blocks, t % cache.ring] = new_kv.to(ring.dtype)
+        if self.compressor is not None:
+            tables = [s.csa_table if self.kind == CSA else s.hca_table for s in seqs]
+            state_blocks = [s.state_block for s in seqs]
+            st = cache.layers[self.layer]
+            self.compressor.update_decode(
+                projected[0][rows],
+                projected[1][rows],
+                starts,
+                st,
+                state_blocks,
+                tables,
+                self.compress_rope,
+            )
+            counts = [(p + 1) // self.rate for p in starts]
+            entries, visible = Compressor.gather_padded(st, tables, counts)
+            if self.indexer is not None:
+                ist = cache.indexers[self.layer]
+                self.indexer.compressor.update_decode(
+                    index_inputs[2][rows],
+                    index_inputs[3][rows],
+                    starts,
+                    ist,
+                    state_blocks,
+                    tables,
+                    self.compress_rope,
+                )
+                if entries.shape[1]:
+                    index_keys, _ = Compressor.gather_padded(ist, tables, counts)
+                    visible = self.indexer.select(
+                        index_inputs[0][rows][:, None],
+                        index_inputs[1][rows][:, None],
+                        index_keys,
+                        visible[:, None],
+                    )[:, 0]
+            keys = torch.cat((keys, entries.to(kv.dtype)), dim=1)
+            mask = torch.cat((mask, visible), dim=1)
+        return rows, self._sink_attention(q[rows][:, None], keys, mask[:, None])[:, 0]
+
+    def _sink_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, n, H, D], keys (= values) [B, L, D], mask [B, n, L] -> [B, n, H, D].
+        One softmax over the keys and a learned per-head sink column, which is dropped."""
+        logits = torch.einsum("bnhd,bld->bhnl", q, keys).float() * self.head_dim**-0.5
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
+        b, h, n, _ = logits.shape
+        sinks = self.sinks.float().view(1, h, 1, 1).expand(b, h, n, 1)
         combined = torch.cat((logits, sinks), dim=-1)
         probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        return torch.einsum("hnl,ld->nhd", probs.to(keys.dtype), keys)
+        return torch.einsum("bhnl,bld->bnhd", probs.to(keys.dtype), keys)

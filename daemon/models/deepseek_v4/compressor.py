@@ -70,6 +70,69 @@ class Compressor(nn.Module):
         entries = rope.apply(entries, *rope.cos_sin(positions))
         self._store(entries, first, st, table, chunk_kv, chunk_gate)
 
+    def update_decode(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        positions: list[int],
+        st: CompressorState,
+        state_blocks: list[int],
+        tables: list[list[int]],
+        rope: InterleavedRope,
+    ) -> None:
+        """One token for each of B requests (kv, gate: [B, C]); closes the windows that end."""
+        m, dim, dev = self.rate, self.dim, kv.device
+        blocks = torch.tensor(state_blocks, device=dev)
+        slots = torch.tensor([p % m for p in positions], device=dev)
+        st.buf_kv[blocks, slots] = kv.float()
+        st.buf_gate[blocks, slots] = gate.float()
+        closing = [i for i, p in enumerate(positions) if (p + 1) % m == 0]
+        if not closing:
+            return
+        sb = blocks[closing]
+        chunk_kv = st.buf_kv[sb]
+        chunk_gate = st.buf_gate[sb] + self.position_bias.float()
+        if self.overlap:
+            pooled_kv = torch.cat((st.ovl_kv[sb], chunk_kv[..., dim:]), dim=1)
+            pooled_gate = torch.cat((st.ovl_gate[sb], chunk_gate[..., dim:]), dim=1)
+            st.ovl_kv[sb] = chunk_kv[..., :dim]
+            st.ovl_gate[sb] = chunk_gate[..., :dim]
+        else:
+            pooled_kv, pooled_gate = chunk_kv, chunk_gate
+        entries = self.kv_norm((pooled_kv * pooled_gate.softmax(dim=1)).sum(dim=1))
+        windows = [(positions[i] + 1) // m - 1 for i in closing]
+        entries = rope.apply(entries, *rope.cos_sin(torch.tensor(windows, device=dev) * m))
+        per_block = st.entries.shape[1]
+        paged = torch.tensor(
+            [tables[i][w // per_block] for i, w in zip(closing, windows)], device=dev
+        )
+        offsets = torch.tensor([w % per_block for w in windows], device=dev)
+        st.entries[paged, offsets] = entries.to(st.entries.dtype)
+        if self.overlap:
+            ends = [j for j, w in enumerate(windows) if (w + 1) % per_block == 0]
+            if ends:
+                st.block_ovl_kv[paged[ends]] = chunk_kv[ends, :, :dim]
+                st.block_ovl_gate[paged[ends]] = chunk_gate[ends, :, :dim]
+
+    @staticmethod
+    def gather_padded(
+        st: CompressorState, tables: list[list[int]], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries of B requests padded to the longest: [B, E, dim] and the valid mask [B, E]."""
+        per_block = st.entries.shape[1]
+        dev = st.entries.device
+        longest = max(counts)
+        nblocks = -(-longest // per_block)
+        index = torch.zeros(len(tables), nblocks, dtype=torch.long)
+        for i, (table, count) in enumerate(zip(tables, counts)):
+            used = -(-count // per_block)
+            index[i, :used] = torch.tensor(table[:used], dtype=torch.long)
+        entries = st.entries[index.to(dev)].flatten(1, 2)[:, :longest]
+        valid = (
+            torch.arange(longest, device=dev)[None, :] < torch.tensor(counts, device=dev)[:, None]
+        )
+        return entries, valid
+
     def _store(
         self,
         entries: torch.Tensor,
