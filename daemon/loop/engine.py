@@ -173,7 +173,20 @@ class Engine:
             "kv_blocks_total": sum(u.num_blocks for u in usage),
             "kv_blocks_free": sum(u.num_free for u in usage),
             "steps": self.steps,
+        } | self._prefix_stats()
+
+    def _prefix_stats(self) -> dict[str, object]:
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return {}
+        stats: dict[str, object] = {
+            "prefix_lookups": prefix.lookups,
+            "prefix_hit_blocks": prefix.hit_blocks,
+            "prefix_cached_blocks": len(self.kv.cached),
         }
+        if prefix.swa is not None:
+            stats |= {"swa_hits": prefix.swa.hits, "swa_misses": prefix.swa.misses}
+        return stats
 
     # ---- the loop -----------------------------------------------------------------------
 
