@@ -108,10 +108,9 @@ def build_attention_batch(
     lmax = max((n for _, n in decode_ctx), default=0)
     lens = torch.tensor([n for _, n in decode_ctx], dtype=torch.long)
     max_blocks = -(-lmax // block_size)
-    tables = torch.zeros(num_decodes, max_blocks, dtype=torch.long)
-    for i, (table, n) in enumerate(decode_ctx):
-        used = -(-n // block_size)
-        tables[i, :used] = torch.tensor(table[:used], dtype=torch.long)
+    padded = [table[: -(-n // block_size)] for table, n in decode_ctx]
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long)
+    tables = tables.view(num_decodes, max_blocks)
     pos = torch.arange(lmax)
     decode_kv_index = tables[:, pos // block_size] * block_size + pos % block_size
     decode_mask = (torch.arange(lmax)[None, :] < lens[:, None]).view(num_decodes, 1, 1, lmax)
