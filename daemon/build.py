@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import structlog
@@ -35,7 +36,9 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
     kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
-    runner = ModelRunner(model, groups, kv.num_blocks, device, cfg.max_num_seqs, cfg.seed)
+    runner = ModelRunner(
+        model, groups, kv.num_blocks, device, cfg.max_num_seqs, cfg.seed, _cpu_threads(cfg)
+    )
     prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
@@ -79,6 +82,13 @@ def _prefix_cache(
         window=cache.cfg.sliding_window,
         policy=cfg.swa_miss_policy,
     )
+
+
+def _cpu_threads(cfg: EngineConfig) -> int:
+    if cfg.cpu_threads:
+        return cfg.cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1) if cfg.overlap else cores
 
 
 def _config_eos(hf_config: dict) -> tuple[int, ...]:

@@ -38,6 +38,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto | cpu | cuda | npu")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=d.cpu_threads,
+        help="torch threads on a CPU device (0: all cores, one left to the event loop with overlap)",
+    )
+    g.add_argument(
         "--no-prefix-caching", action="store_true", help="recompute every prompt from scratch"
     )
     g.add_argument(
@@ -64,6 +70,7 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         overlap=not a.no_overlap,
+        cpu_threads=a.cpu_threads,
         seed=a.seed,
         prefix_caching=not a.no_prefix_caching,
         swa_miss_policy=a.swa_miss_policy,
@@ -86,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=s.shutdown_timeout,
         help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=s.api_key,
+        help="require this key (Authorization: Bearer <key> or x-api-key: <key>)",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=s.max_waiting,
+        help="answer 429 once this many requests wait for the engine (0 = no limit)",
     )
     _engine_args(serve)
 
@@ -124,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 port=args.port,
                 max_body_bytes=args.max_body_bytes,
                 shutdown_timeout=args.shutdown_timeout,
+                api_key=args.api_key,
+                max_waiting=args.max_waiting,
             )
             run_server(_engine_config(args), server_cfg)
         else:

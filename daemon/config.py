@@ -17,6 +17,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     overlap: bool = True
+    cpu_threads: int = (
+        0  # torch threads for a CPU device; 0 = all cores, one left free with overlap
+    )
     seed: int = 0
     prefix_caching: bool = True
     swa_miss_policy: str = "replay"  # replay (bounded, approximate) | exact
@@ -30,3 +33,5 @@ class ServerConfig:
     port: int = 8000
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
+    api_key: str | None = None  # when set, requests need `Authorization: Bearer` or `x-api-key`
+    max_waiting: int = 0  # answer 429 once this many requests wait for the engine (0 = off)

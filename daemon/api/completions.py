@@ -92,6 +92,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state.check_engine()
     engine = state.engine
     prompt_ids = await tokenize_prompts(creq.prompts, engine.tokenizer)
+    state.check_capacity()
     c = _Completion(
         id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),

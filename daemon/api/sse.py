@@ -28,6 +28,11 @@ class SSEWriter:
         head = b"event: " + event.encode() + b"\n" if event else b""
         await self.response.write(head + b"data: " + orjson.dumps(data) + b"\n\n")
 
+    async def send_raw(self, data: str, event: str | None = None) -> None:
+        """An event whose data is already serialised (protocol chunks' own to_json())."""
+        head = "event: " + event + "\n" if event else ""
+        await self.response.write((head + "data: " + data + "\n\n").encode())
+
     async def done(self) -> None:
         """OpenAI's end-of-stream marker."""
         await self.response.write(b"data: [DONE]\n\n")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
 
-from daemon.api.errors import bad_request, model_not_found, unavailable
+from daemon.api.chat_template import ChatTemplate
+from daemon.api.constraints import Constraints
+from daemon.api.errors import bad_request, model_not_found, overloaded, unavailable
 from daemon.loop.engine import Engine
+from daemon.recipe.codec import RecipeCodec
 
 
 @dataclass
@@ -17,6 +20,11 @@ class ApiState:
     served_name: str
     demo: bool  # random-weight demo model: its output is noise
     created: int  # unix time the server started, shown as the model's `created`
+    codec: RecipeCodec | None = None  # DeepSeek family: chat/responses/messages via recipe
+    chat_template: ChatTemplate | None = None  # other families: the checkpoint's own template
+    constraints: Constraints | None = None  # structured output (xgrammar)
+    max_waiting: int = 0  # 429 once this many requests wait for the engine (0 = no limit)
+    api_key: str | None = field(default=None, repr=False)
 
     def check_model(self, model: str) -> None:
         if model != self.served_name:
@@ -25,6 +33,10 @@ class ApiState:
     def check_engine(self) -> None:
         if self.engine.error is not None:
             raise unavailable("the inference engine has failed; the server must be restarted")
+
+    def check_capacity(self) -> None:
+        if self.max_waiting and len(self.engine.scheduler.waiting) >= self.max_waiting:
+            raise overloaded()
 
 
 STATE: web.AppKey[ApiState] = web.AppKey("deepinfer_state", ApiState)

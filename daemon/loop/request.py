@@ -25,6 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off, N = sampled token plus top-N alternatives
     include_stop_str_in_output: bool = False
+    # constrained decoding: a per-request loop.constraint.GrammarConstraint (stateful)
+    constraint: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

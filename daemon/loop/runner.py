@@ -16,6 +16,7 @@ from torch import nn
 
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
+from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
 from daemon.loop.prefix import RestoreOp, SaveOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
@@ -43,6 +44,8 @@ class PreparedStep:
     new_penalty_states: list[tuple[int, list[int], list[int]]]  # (slot, prompt, outputs)
     penalty_rows: list[int]
     penalty_slots: list[int]
+    bitmask: torch.Tensor | None  # [S, ceil(V/32)] int32 grammar masks (constrained rows only)
+    bitmask_rows: list[int]
     saves: list[SaveOp]  # snapshot sliding-window state before anything reuses its block
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
 
@@ -62,6 +65,7 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int,
         seed: int = 0,
+        cpu_threads: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -71,6 +75,9 @@ class ModelRunner:
         self.penalties: dict[int, PenaltyState] = {}
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # On a CPU "device" the forward shares the cores with the event loop, which does its
+        # overlapped work meanwhile; each worker thread keeps its own OpenMP thread count.
+        self.cpu_threads = cpu_threads if device.type == "cpu" else 0
         self.device_module = torch.get_device_module(device) if device.type != "cpu" else None
         self.stream = self.device_module.Stream(device) if self.device_module else None
 
@@ -90,6 +97,7 @@ class ModelRunner:
         penalty_rows: list[int] = []
         penalty_slots: list[int] = []
         restores: list[tuple[RestoreOp, list[list[int]]]] = []
+        constrained: list[tuple[int, GrammarConstraint]] = []
 
         for seq in step.seqs:
             req = seq.request
@@ -119,11 +127,18 @@ class ModelRunner:
                 if req.params.has_penalties:
                     penalty_rows.append(len(logits_rows))
                     penalty_slots.append(req.slot)
+                if req.params.constraint is not None:
+                    constrained.append((len(logits_rows), req.params.constraint))
                 logits_rows.append(len(input_ids) - 1)
                 sample_slots.append(req.slot)
                 sample_params.append(req.params)
                 sample_indices.append(seq.sample_index)
 
+        bitmask, bitmask_rows = None, []
+        if constrained:
+            bitmask = allocate_bitmask(len(logits_rows), self.vocab_size)
+            bitmask_rows = [row for row, c in constrained if c.fill(bitmask, row)]
+            bitmask = bitmask if bitmask_rows else None
         return PreparedStep(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             placeholder_rows=torch.tensor(placeholder_rows, dtype=torch.long),
@@ -138,6 +153,8 @@ class ModelRunner:
             new_penalty_states=new_penalty_states,
             penalty_rows=penalty_rows,
             penalty_slots=penalty_slots,
+            bitmask=bitmask,
+            bitmask_rows=bitmask_rows,
             saves=saves,
             restores=restores,
         )
@@ -168,6 +185,8 @@ class ModelRunner:
 
     def _execute(self, step: PreparedStep) -> SampleResult | None:
         dev = self.device
+        if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
         for save in step.saves:
             save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
         for restore, tables in step.restores:
@@ -190,6 +209,8 @@ class ModelRunner:
             states = [self.penalties[s] for s in step.penalty_slots]
             params = [sb.params[r] for r in step.penalty_rows]
             apply_penalties(logits, step.penalty_rows, states, params)
+        if step.bitmask is not None:
+            apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
         result = sample(logits, sb, self.generator)
         slots = step.sample_slots.to(dev, non_blocking=True)
         self.last_tokens[slots] = result.tokens
@@ -202,6 +223,9 @@ class ModelRunner:
     @staticmethod
     def _to_host(result: SampleResult, sb: SamplingBatch) -> StepResult:
         tokens = result.tokens.tolist()
+        for p, token in zip(sb.params, tokens):
+            if p.constraint is not None:  # the scheduler holds the request back until now
+                p.constraint.accept(token)
         if result.logprob is None:
             return StepResult(tokens, [None] * len(tokens))
         chosen = result.logprob.tolist()

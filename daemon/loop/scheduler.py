@@ -79,6 +79,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.params.constraint is not None and req.num_inflight_steps > 0:
+                continue  # its grammar must see its last token before masking the next one
             n = min(self._tokens_to_compute(req), budget)
             if n == 0:
                 continue

@@ -1,0 +1,1 @@
+"""The DeepSeek codec: deepseek-recipe protocol conversion, prompt encoding and stream parsing."""

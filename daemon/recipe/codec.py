@@ -1,0 +1,116 @@
+"""Protocol body -> deepseek-recipe conversation -> prompt ids and sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import deepseek_recipe as dr
+
+from daemon.loop.request import SamplingParams
+from daemon.tokenizer import TextTokenizer
+
+Generator = dr.ChatCompletionChunkGenerator | dr.ResponsesChunkGenerator | dr.MessagesChunkGenerator
+Accumulator = dr.ChatCompletionResponse | dr.ResponsesResponse | dr.MessagesResponse
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One wire protocol: its recipe request and response classes and its id prefix."""
+
+    name: str
+    request_cls: Any
+    response_cls: Any
+    id_prefix: str
+
+
+CHAT = Protocol("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-")
+RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
+MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_")
+
+
+class CodecError(ValueError):
+    """The body cannot be converted; `message` is safe to show the client (400)."""
+
+
+@dataclass
+class Prepared:
+    """A converted request, ready for the engine."""
+
+    conversation: dr.ConversationRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: Generator
+    constraint: dr.OutputConstraint | None
+
+    @property
+    def stream(self) -> bool:
+        return self.conversation.stream
+
+    @property
+    def parsing_options(self) -> dr.ParsingOptions:
+        return self.conversation.parsing_options
+
+
+class RecipeCodec:
+    """Converts and encodes requests for a DeepSeek-V4 model served as `served_name`."""
+
+    def __init__(self, tokenizer: TextTokenizer, served_name: str, context_limit: int) -> None:
+        self.tokenizer = dr.Tokenizer.from_str(tokenizer.tokenizer.to_str())
+        self.served_name = served_name
+        self.context_limit = context_limit
+        self.options = dr.ConversionOptions().with_model_alias(
+            served_name, dr.ModelVersion.DeepseekV4Pro
+        )
+        self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+        end = dr.SpecialToken.ThinkingEnd.default_str()
+        self.think_end_id: int | None = tokenizer.tokenizer.token_to_id(end)
+
+    def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
+        """Raises CodecError for anything the client got wrong."""
+        try:
+            request = protocol.request_cls(body)
+            echo = request.echo() if protocol is RESPONSES else None
+            conv = request.convert(self.options)
+            prompt_ids = self.encoding.encode(conv.conversation)
+            max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.context_limit)
+        except dr.ConversionError as e:
+            raise CodecError(str(e)) from None
+        except ValueError as e:  # malformed body (missing or mistyped fields)
+            raise CodecError(str(e)) from None
+        generator = protocol.request_cls.chunk_generator(conv, request_id, self.served_name)
+        if echo is not None:
+            generator = generator.with_echo(echo)
+        return Prepared(
+            conversation=conv,
+            prompt_ids=prompt_ids,
+            params=sampling_params(conv, max_tokens),
+            generator=generator,
+            constraint=conv.inference_options.output_constraint,
+        )
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+        """The prompt ids of a Chat Completions body (for /tokenize)."""
+        try:
+            conv = dr.ChatCompletionRequest(body).convert(self.options)
+            return self.encoding.encode(conv.conversation)
+        except (dr.ConversionError, ValueError) as e:
+            raise CodecError(str(e)) from None
+
+    def processor(self, prepared: Prepared) -> dr.StreamProcessor:
+        return dr.StreamProcessor(prepared.generator, prepared.parsing_options, self.tokenizer)
+
+
+def sampling_params(conv: dr.ConversationRequest, max_tokens: int) -> SamplingParams:
+    io = conv.inference_options
+    logprobs = (io.top_logprobs or 0) if io.logprobs else None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if io.temperature is None else io.temperature,
+        top_p=1.0 if io.top_p is None else io.top_p,
+        seed=io.seed,
+        logprobs=logprobs,
+        # the engine stops at a stop string; the stream parser trims it
+        stop=list(conv.parsing_options.stop_sequences),
+        include_stop_str_in_output=True,
+    )
