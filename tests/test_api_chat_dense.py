@@ -1,0 +1,151 @@
+"""/v1/chat/completions on a dense Llama through the checkpoint's own jinja2 chat template."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import BadRequestError, OpenAI
+
+from daemon.config import EngineConfig, ServerConfig
+from daemon.tokenizer import TextTokenizer
+from tests.checkpoints import make_dense_checkpoint
+from tests.conftest import LiveServer
+
+NAME = "tiny-llama-chat"
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_dense_checkpoint(
+        tmp_path_factory.mktemp("tiny-llama-chat"),
+        with_tokenizer=True,
+        max_position_embeddings=2048,
+    )
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir: Path) -> Iterator[LiveServer]:
+    s = LiveServer(
+        EngineConfig(
+            model=str(chat_dir),
+            served_model_name=NAME,
+            kv_cache_memory_gb=0.05,
+            max_num_seqs=8,
+            max_model_len=1024,
+        ),
+        ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1),
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+
+
+def _prompt_len(chat_dir: Path) -> int:
+    tok = TextTokenizer(chat_dir, {})
+    text = "<｜begin▁of▁sentence｜><|system|>Be brief.\n<|user|>Hello\n<|assistant|>"
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_whole(client: OpenAI, chat_dir: Path) -> None:
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.role == "assistant" and isinstance(
+        r.choices[0].message.content, str
+    )
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == _prompt_len(chat_dir)
+
+
+def test_stream_matches_whole(client: OpenAI) -> None:
+    args = dict(
+        model=NAME, messages=USER, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    whole = client.chat.completions.create(**args)
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_logprobs(client: OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=USER,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 3 and all(len(e.top_logprobs) == 3 for e in entries)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"messages": []}, {"messages": [{"content": "x"}]}, {"temperature": -1}, {"n": 2}],
+)
+def test_bad_input(client: OpenAI, kwargs: dict) -> None:
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(**({"model": NAME, "messages": USER} | kwargs))
+
+
+def test_responses_unsupported_here(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError):
+        client.responses.create(model=NAME, input="hi")
+
+
+def test_tokenize_messages_uses_template(server: LiveServer, chat_dir: Path) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(
+        server.url + "/tokenize",
+        data=json.dumps({"model": NAME, "messages": USER}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req) as r:
+        assert json.loads(r.read())["count"] == _prompt_len(chat_dir)
+
+
+def test_regex_and_json_response_format(client: OpenAI) -> None:
+    import re
+
+    fmt = {"type": "regex", "regex": r"[a-z]{1,6}-[0-9]{2}"}
+    for seed in range(5):
+        r = client.chat.completions.create(
+            model=NAME, messages=USER, max_tokens=20, seed=seed, response_format=fmt
+        )
+        assert r.choices[0].finish_reason == "stop"
+        assert re.fullmatch(fmt["regex"], r.choices[0].message.content)
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": schema}}
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=40, response_format=fmt
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
