@@ -287,8 +287,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--prompt-len", default="32-256", help="inclusive range, e.g. 32-512")
-    p.add_argument("--output-len", default="32-128", help="inclusive range, e.g. 32-256")
+    p.add_argument("--prompt-len", default="32-512", help="inclusive range, e.g. 32-256")
+    p.add_argument("--output-len", default="32-256", help="inclusive range, e.g. 32-128")
     p.add_argument(
         "--uniform-output",
         type=int,
