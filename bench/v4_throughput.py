@@ -5,6 +5,9 @@ at 1 and at N concurrent requests (same prompts, same number of output tokens).
 
 Prompts within a run all have the same length, so transformers gets an unpadded batch (its
 reference compressors ignore padding). Each repeat draws fresh prompts, so no prefix-cache hits.
+transformers runs with as many torch threads as the engine's forward (--threads to change it):
+on a shared machine a 2-thread OpenMP team slows down far more than one thread when a core is
+taken by someone else.
 """
 
 from __future__ import annotations
@@ -195,8 +198,10 @@ async def bench(args: argparse.Namespace) -> None:
             **engine_threads(args),
         )
     )
+    # transformers gets as many torch threads as our forward unless told (--threads)
+    torch.set_num_threads(args.threads or forward_threads(engine))
     print(
-        f"engine forward threads: {forward_threads(engine)}, transformers: {torch.get_num_threads()}"
+        f"engine forward threads {forward_threads(engine)}, transformers {torch.get_num_threads()}"
     )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = V4_BENCH["vocab_size"]
@@ -262,7 +267,10 @@ def main() -> None:
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument(
-        "--threads", type=int, default=0, help="torch threads of the main thread (0 = default)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for transformers (0 = as many as the engine's forward uses)",
     )
     p.add_argument(
         "--engine-threads",
@@ -279,8 +287,6 @@ def main() -> None:
         "--profile-top", type=int, default=0, help="also the N top functions by self time"
     )
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     asyncio.run(bench(args))
 
 
