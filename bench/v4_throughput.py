@@ -226,7 +226,8 @@ async def bench(args: argparse.Namespace) -> None:
             f"\nprompt {args.prompt_len} tokens (equal lengths, no padding), {args.output_len} "
             f"output tokens each, greedy; medians over {args.repeats} repeats\n"
             "tok/s = output tokens / wall time from submit to the last token; prefill = until every "
-            "request has its first token; decode = ms per further step (all requests decoding)"
+            "request has its first token; decode = ms per further step (all requests decoding); "
+            "ours/HF = median over repeats of each repeat's time ratio (>1: ours faster)"
         )
         print(
             f"{'concurrent':>10} {'ours tok/s':>11} {'HF tok/s':>9} {'ours/HF':>8} "
