@@ -47,10 +47,3 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
         log.info("cpu_dtype_upcast", checkpoint_dtype=checkpoint_dtype, dtype="float32")
         return torch.float32
     return dtype
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)  # type: ignore[attr-defined]

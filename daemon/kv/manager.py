@@ -13,10 +13,6 @@ class KVUsage:
     num_blocks: int
     num_free: int
 
-    @property
-    def used_fraction(self) -> float:
-        return 1.0 - self.num_free / self.num_blocks
-
 
 class KVManager:
     def __init__(self, groups: list[KVGroup], memory_bytes: int, max_num_seqs: int = 1) -> None:
@@ -76,10 +72,6 @@ class KVManager:
             g.spec.blocks_for(num_tokens) - (len(held[i]) if held else 0)
             for i, g in enumerate(self.groups)
         ]
-
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        missing = self._missing(request_id, num_tokens)
-        return all(m <= p.num_free for m, p in zip(missing, self.pools))
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
         """Make the request's tables cover `num_tokens` positions; False if memory is short."""

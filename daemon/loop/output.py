@@ -66,5 +66,3 @@ class OutputProcessor:
         )
         if req.outputs is not None:
             req.outputs.put_nowait(out)
-        if finish is not None:
-            self.remove(req)
