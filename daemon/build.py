@@ -12,8 +12,12 @@ import structlog
 from daemon.config import EngineConfig
 from daemon.demo import DEMO_NAME, ensure_demo_model, is_demo
 from daemon.device import resolve_device, resolve_dtype
+from daemon.kv.block_store import BlockStore
+from daemon.kv.host_tier import HostTier
 from daemon.kv.manager import KVManager
+from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.swa_cache import SWACache
+from daemon.kv.traffic import TrafficClasses
 from daemon.loop.engine import Engine
 from daemon.loop.prefix import PrefixCache
 from daemon.loop.runner import ModelRunner
@@ -22,6 +26,8 @@ from daemon.models.loader import checkpoint_dtype, load_model, read_config
 from daemon.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
+
+KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old store files miss
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
@@ -43,6 +49,9 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, cfg.overlap)
+    if prefix is not None and prefix.store is not None:
+        engine.sweeper = _sweeper(cfg, prefix.store, prefix.classes)
+        engine.sweep_interval_s = cfg.kv_store_gc_interval_s
     if cfg.served_model_name:
         name = cfg.served_model_name
     elif is_demo(hf_config):
@@ -57,6 +66,8 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         kv_capacity_tokens=kv.capacity_tokens(),
         max_model_len=max_model_len,
         overlap=cfg.overlap,
+        host_cache_gb=cfg.host_cache_memory_gb if prefix else 0,
+        kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
     )
     return engine, name
 
@@ -67,20 +78,45 @@ def _prefix_cache(
     if not kv.paged:
         return None
     fingerprint = json.dumps(hf_config, sort_keys=True) + str(dtype) + str(kv.prefix_block)
-    salt = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
+    salt = hashlib.blake2b((KV_LAYOUT + fingerprint).encode(), digest_size=16).digest()
+    block_bytes = runner.copier.block_bytes
+    tiers = dict(
+        block_bytes=block_bytes,
+        host=HostTier(int(cfg.host_cache_memory_gb * 2**30)) if cfg.host_cache_memory_gb else None,
+        classes=TrafficClasses.from_specs(cfg.traffic_classes),
+    )
+    if cfg.kv_store_dir:
+        tiers["store"] = BlockStore(
+            Path(cfg.kv_store_dir).expanduser(),
+            salt,
+            block_bytes,
+            fsync=cfg.kv_store_fsync,
+            io_threads=cfg.kv_store_io_threads,
+        )
     names = [getattr(g.spec, "name", "") for g in kv.groups]
     if "swa" not in names:
-        return PrefixCache(kv, salt)
+        return PrefixCache(kv, salt, **tiers)
     cache = runner.cache
     swa = SWACache(int(cfg.swa_cache_memory_gb * 2**30), cfg.swa_cache_ttl_s)
     return PrefixCache(
         kv,
         salt,
-        swa,
+        **tiers,
+        swa=swa,
         swa_group=names.index("swa"),
         swa_bytes=cache.swa_snapshot_bytes,
         window=cache.cfg.sliding_window,
         policy=cfg.swa_miss_policy,
+    )
+
+
+def _sweeper(cfg: EngineConfig, store: BlockStore, classes: TrafficClasses) -> StoreSweeper:
+    capacity = int(cfg.kv_store_capacity_gb * 2**30)
+    if not capacity:
+        fs = os.statvfs(store.dir) if store.dir.exists() else None
+        capacity = fs.f_blocks * fs.f_frsize if fs else 0
+    return StoreSweeper(
+        store, classes, capacity, cfg.kv_store_high_watermark, cfg.kv_store_low_watermark
     )
 
 

@@ -11,6 +11,7 @@ import structlog
 
 from daemon.config import EngineConfig, ServerConfig
 from daemon.logging_setup import LEVELS, setup_logging
+from daemon.paths import cache_dir
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +55,40 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--swa-cache-memory-gb", type=float, default=d.swa_cache_memory_gb)
     g.add_argument("--swa-cache-ttl-s", type=float, default=d.swa_cache_ttl_s)
+    g.add_argument(
+        "--host-cache-memory-gb",
+        type=float,
+        default=d.host_cache_memory_gb,
+        help="host-memory tier of the prefix cache (0: off)",
+    )
+    g.add_argument(
+        "--kv-store-dir",
+        default=None,
+        help="block store directory shared by all daemons (a 3FS mount; default: "
+        "$DEEPINFER_CACHE/kv-store, i.e. ~/.cache/deepinfer/kv-store)",
+    )
+    g.add_argument("--no-kv-store", action="store_true", help="keep no blocks on disk")
+    g.add_argument(
+        "--kv-store-fsync", action="store_true", help="fsync each block before publishing it"
+    )
+    g.add_argument("--kv-store-io-threads", type=int, default=d.kv_store_io_threads)
+    g.add_argument(
+        "--kv-store-capacity-gb",
+        type=float,
+        default=d.kv_store_capacity_gb,
+        help="evict above the high watermark of this (0: the file system's size)",
+    )
+    g.add_argument("--kv-store-high-watermark", type=float, default=d.kv_store_high_watermark)
+    g.add_argument("--kv-store-low-watermark", type=float, default=d.kv_store_low_watermark)
+    g.add_argument("--kv-store-gc-interval-s", type=float, default=d.kv_store_gc_interval_s)
+    g.add_argument(
+        "--traffic-class",
+        action="append",
+        default=[],
+        metavar="NAME=DURATION",
+        help="block-store retention of a traffic class, e.g. agent=3d, batch=12h "
+        "(defaults: chat=7d, agent=3d; 0: never stored)",
+    )
     g.add_argument("--log-level", default="info", choices=LEVELS)
     g.add_argument("--log-format", default="console", choices=("console", "json"))
 
@@ -76,6 +111,15 @@ def _engine_config(a: argparse.Namespace) -> EngineConfig:
         swa_miss_policy=a.swa_miss_policy,
         swa_cache_memory_gb=a.swa_cache_memory_gb,
         swa_cache_ttl_s=a.swa_cache_ttl_s,
+        host_cache_memory_gb=a.host_cache_memory_gb,
+        kv_store_dir=None if a.no_kv_store else a.kv_store_dir or str(cache_dir() / "kv-store"),
+        kv_store_fsync=a.kv_store_fsync,
+        kv_store_io_threads=a.kv_store_io_threads,
+        kv_store_capacity_gb=a.kv_store_capacity_gb,
+        kv_store_high_watermark=a.kv_store_high_watermark,
+        kv_store_low_watermark=a.kv_store_low_watermark,
+        kv_store_gc_interval_s=a.kv_store_gc_interval_s,
+        traffic_classes=a.traffic_class,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -25,6 +25,15 @@ class EngineConfig:
     swa_miss_policy: str = "replay"  # replay (bounded, approximate) | exact
     swa_cache_memory_gb: float = 1.0
     swa_cache_ttl_s: float = 180.0
+    host_cache_memory_gb: float = 4.0  # host-memory tier of the prefix cache (0 = off)
+    kv_store_dir: str | None = None  # block store directory (a 3FS mount, or local); None = off
+    kv_store_fsync: bool = False  # fsync each block before publishing it
+    kv_store_io_threads: int = 8
+    kv_store_capacity_gb: float = 0.0  # 0 = the size of the store's file system
+    kv_store_high_watermark: float = 0.9  # above this fraction of capacity, evict ...
+    kv_store_low_watermark: float = 0.8  # ... down to this one
+    kv_store_gc_interval_s: float = 300.0
+    traffic_classes: list[str] = field(default_factory=list)  # NAME=DURATION retention overrides
 
 
 @dataclass

@@ -4,7 +4,6 @@ deterministically on first use and cached, with the real DeepSeek-V4 tokenizer."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import structlog
 import torch
 from safetensors.torch import save_file
+
+from daemon.paths import cache_dir
 
 log = structlog.get_logger(__name__)
 
@@ -55,10 +56,6 @@ DEMO_CONFIG = {
     "dtype": "float32",
     "deepinfer_demo": {"random_weights": True, "version": DEMO_VERSION},
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
 
 
 def _tokenizer_files() -> list[Path]:

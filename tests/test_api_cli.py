@@ -4,45 +4,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited during startup"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become healthy")
+from tests.daemons import ROOT, free_port, wait_healthy
 
 
 def test_serve_subprocess(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "daemon", "serve", "--model", str(tiny_model_dir),
         "--port", str(port), "--served-model-name", "cli-tiny", "--kv-cache-memory-gb", "0.02",
         "--max-num-seqs", "4", "--max-model-len", "256", "--log-format", "json",
+        "--kv-store-dir", str(tmp_path / "kv-store"),
     ]  # fmt: skip
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     log_path = tmp_path / "server.log"
@@ -50,7 +27,7 @@ def test_serve_subprocess(tiny_model_dir: Path, tmp_path: Path) -> None:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, proc, timeout=120)
+            wait_healthy(url, proc, timeout=120)
             client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             r = client.completions.create(model="cli-tiny", prompt="Hello", max_tokens=3)
             assert (

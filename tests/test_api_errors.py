@@ -75,6 +75,10 @@ CASES: list[tuple[str, dict | bytes, int, str | None]] = [
     ),
     ("user_int", {"user": 5}, 400, "user"),
     ("priority_str", {"priority": "high"}, 400, "priority"),
+    ("traffic_class_unknown", {"traffic_class": "bulk"}, 400, "traffic_class"),
+    ("traffic_class_int", {"traffic_class": 3}, 400, "traffic_class"),
+    ("cache_salt_empty", {"cache_salt": ""}, 400, "cache_salt"),
+    ("cache_salt_int", {"cache_salt": 5}, 400, "cache_salt"),
     ("logit_bias", {"logit_bias": {"5": 10}}, 400, "logit_bias"),
 ]
 

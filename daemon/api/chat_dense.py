@@ -11,6 +11,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from daemon.api.cache_options import cache_options, prompt_tokens_details
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, submit_all
 from daemon.api.logprobs import token_text
@@ -36,6 +37,7 @@ class _Chat:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -45,6 +47,7 @@ class _Chat:
         self.logprobs.extend(out.logprobs or [])
         self.completion_tokens = out.num_output_tokens
         self.cached_tokens = out.num_cached_tokens
+        self.cached_tokens_by_tier = out.cached_tokens_by_tier
         if out.finished and out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
 
@@ -53,7 +56,9 @@ class _Chat:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": prompt_tokens_details(
+                self.cached_tokens, self.cached_tokens_by_tier
+            ),
         }
 
     def chat_logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
@@ -103,7 +108,8 @@ async def handle_templated(request: web.Request, state: ApiState, body: dict) ->
         engine.tokenizer,
         want_logprobs,
     )
-    req = submit_all(engine, c.id, [(prompt_ids, params)])[0]
+    cache = cache_options(request, body, engine)
+    req = submit_all(engine, c.id, [(prompt_ids, params)], cache=cache)[0]
     if stream:
         return await _stream(request, state, req, c, include_usage)
     return await _whole(state, req, c)

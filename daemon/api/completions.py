@@ -10,6 +10,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from daemon.api.cache_options import cache_options, prompt_tokens_details
 from daemon.api.completions_protocol import (
     CompletionRequest,
     parse_completion_request,
@@ -51,12 +52,18 @@ class _Completion:
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids in self.prompt_ids)
         completion = sum(ch.num_output_tokens for ch in self.choices)
-        cached = sum(ch.num_cached_tokens for ch in self.choices[:: self.req.n])
+        firsts = self.choices[:: self.req.n]  # the n choices of a prompt share its prefix
+        by_tier: dict[str, int] = {}
+        for ch in firsts:
+            for tier, n in ch.cached_tokens_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": prompt_tokens_details(
+                sum(ch.num_cached_tokens for ch in firsts), by_tier
+            ),
         }
 
 
@@ -73,6 +80,7 @@ class _Choice:
     stop_reason: str | int | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
@@ -80,6 +88,7 @@ class _Choice:
         self.logprobs.extend(out.logprobs or [])
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        self.cached_tokens_by_tier = out.cached_tokens_by_tier or {}
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
@@ -87,10 +96,12 @@ class _Choice:
 @routes.post("/v1/completions")
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
-    creq = parse_completion_request(await read_json_object(request))
+    body = await read_json_object(request)
+    creq = parse_completion_request(body)
     state.check_model(creq.model)
     state.check_engine()
     engine = state.engine
+    cache = cache_options(request, body, engine)
     prompt_ids = await tokenize_prompts(creq.prompts, engine.tokenizer)
     state.check_capacity()
     c = _Completion(
@@ -103,7 +114,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     )
     jobs = [(ids, creq.params_for(j)) for ids in prompt_ids for j in range(creq.n)]
     c.choices = [_Choice(i, ids) for i, (ids, _) in enumerate(jobs)]
-    reqs = submit_all(engine, c.id, jobs, creq.priority)
+    reqs = submit_all(engine, c.id, jobs, creq.priority, cache)
     start = time.monotonic()
     try:
         if creq.stream:

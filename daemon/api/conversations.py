@@ -9,6 +9,7 @@ import uuid
 import structlog
 from aiohttp import web
 
+from daemon.api.cache_options import cache_options
 from daemon.api.chat_dense import handle_templated
 from daemon.api.constraints import ENFORCED_KINDS
 from daemon.api.errors import ApiError, bad_request, unavailable
@@ -42,7 +43,8 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
         raise bad_request(str(e)) from None
     prepared.params.constraint = await _constraint(state, prepared)
     state.check_capacity()
-    req = submit_all(state.engine, rid, [(prepared.prompt_ids, prepared.params)])[0]
+    cache = cache_options(request, body, state.engine)
+    req = submit_all(state.engine, rid, [(prepared.prompt_ids, prepared.params)], cache=cache)[0]
     start = time.monotonic()
     out = OutputStream(
         state.codec.processor(prepared), state.engine.eos_token_ids, len(req.prompt_ids)

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from types import TracebackType
 
+from daemon.api.cache_options import CacheOptions
 from daemon.api.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
 from daemon.loop.request import Request, RequestOutput, SamplingParams
@@ -17,12 +18,22 @@ def submit_all(
     base_id: str,
     jobs: list[tuple[list[int], SamplingParams]],
     priority: int = 0,
+    cache: CacheOptions = CacheOptions(),
 ) -> list[Request]:
     """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503)."""
     reqs: list[Request] = []
     try:
         for i, (prompt_ids, params) in enumerate(jobs):
-            reqs.append(engine.add_request(prompt_ids, params, f"{base_id}-{i}", priority))
+            reqs.append(
+                engine.add_request(
+                    prompt_ids,
+                    params,
+                    f"{base_id}-{i}",
+                    priority,
+                    traffic_class=cache.traffic_class,
+                    cache_salt=cache.cache_salt,
+                )
+            )
     except RequestRejected as e:
         _abort(engine, reqs)
         raise bad_request(str(e), _rejected_param(engine, prompt_ids, params)) from None

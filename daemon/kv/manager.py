@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.kv.block_pool import BlockPool
@@ -37,6 +38,8 @@ class KVManager:
         self.prefix_block = groups[self.paged[0]].spec.block_size if self.paged else 0
         self.cached: dict[bytes, list[int]] = {}
         self._key_of: list[dict[int, bytes]] = [{} for _ in groups]
+        # told (key, blocks) when a cached block is about to be overwritten, so it can be demoted
+        self.on_evict: Callable[[bytes, list[int]], None] | None = None
         for i in self.paged:
             self.pools[i].on_reuse = lambda block, i=i: self._forget(i, block)
 
@@ -86,40 +89,49 @@ class KVManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
 
-    def cached_prefix(self, keys: list[bytes]) -> int:
-        """How many leading blocks of a chain of keys are cached."""
-        n = 0
-        while n < len(keys) and keys[n] in self.cached:
-            n += 1
-        return n
-
-    def take_prefix(self, request_id: str, keys: list[bytes]) -> None:
-        """Start the request's tables with the cached blocks of `keys` (all must be cached)."""
+    def take_cached(self, request_id: str, key: bytes) -> None:
+        """Append the cached blocks of `key` to the request's paged tables."""
         tables = self.tables.setdefault(request_id, [[] for _ in self.groups])
-        assert all(not tables[i] for i in self.paged), "a prefix goes in front of an empty table"
-        for key in keys:
-            for i, block in zip(self.paged, self.cached[key]):
-                self.pools[i].take(block)
-                tables[i].append(block)
+        for i, block in zip(self.paged, self.cached[key]):
+            self.pools[i].take(block)
+            tables[i].append(block)
 
-    def register(self, request_id: str, index: int, key: bytes) -> None:
-        """Block `index` of the request is full and computed: make it findable by `key`."""
+    def adopt(self, request_id: str, key: bytes) -> list[int] | None:
+        """Append fresh blocks that will hold `key`'s KV (loaded from another tier) and make
+        them findable; None when a paged pool has no block to give."""
+        if any(self.pools[i].num_free == 0 for i in self.paged) or key in self.cached:
+            return None
+        tables = self.tables.setdefault(request_id, [[] for _ in self.groups])
+        blocks = [self.pools[i].allocate(1)[0] for i in self.paged]
+        for i, block in zip(self.paged, blocks):
+            tables[i].append(block)
+            self._key_of[i][block] = key
+        self.cached[key] = blocks
+        return blocks
+
+    def register(self, request_id: str, index: int, key: bytes) -> list[int] | None:
+        """Block `index` of the request is full and computed: make it findable by `key`.
+        Returns its blocks, or None if the key was cached already."""
         if key in self.cached:
-            return
+            return None
         tables = self.tables[request_id]
         blocks = [tables[i][index] for i in self.paged]
         if any(block in self._key_of[i] for i, block in zip(self.paged, blocks)):
-            return  # the block already stands for another prefix (it was taken from the cache)
+            return None  # the block already stands for another prefix (taken from the cache)
         self.cached[key] = blocks
         for i, block in zip(self.paged, blocks):
             self._key_of[i][block] = key
+        return blocks
 
     def _forget(self, group: int, block: int) -> None:
         key = self._key_of[group].pop(block, None)
         if key is None:
             return
-        for i, other in zip(self.paged, self.cached.pop(key)):
+        blocks = self.cached.pop(key)
+        for i, other in zip(self.paged, blocks):
             self._key_of[i].pop(other, None)
+        if self.on_evict is not None:
+            self.on_evict(key, blocks)
 
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)

@@ -18,8 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from daemon.kv.manager import KVManager
+from daemon.kv.store_gc import StoreSweeper
+from daemon.kv.traffic import TrafficClasses
 from daemon.loop.output import OutputProcessor
-from daemon.loop.request import FinishReason, Request, RequestOutput, SamplingParams
+from daemon.loop.prefix import CacheOps
+from daemon.loop.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import Scheduler, SchedulerStep
 from daemon.tokenizer import TextTokenizer
@@ -54,6 +63,10 @@ class Engine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._loads: set[asyncio.Task[None]] = set()  # block-store reads before admission
+        self.sweeper: StoreSweeper | None = None
+        self.sweep_interval_s = 300.0
+        self._sweep_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self.steps = 0
         self.error: BaseException | None = None
@@ -64,16 +77,23 @@ class Engine:
         if self._task is None:
             self._wakeup = asyncio.Event()
             self._task = asyncio.create_task(self._run(), name="engine-loop")
+        if self.sweeper is not None and self._sweep_task is None:
+            self._sweep_task = asyncio.create_task(self._sweep_store(), name="kv-store-gc")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in [self._task, self._sweep_task, *self._loads]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._sweep_task = None
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
         self._executor.shutdown(wait=True)
+        store = self.scheduler.prefix.store if self.scheduler.prefix else None
+        if store is not None:
+            await store.flush()  # finished work is kept
+            store.close()
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -83,6 +103,8 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        traffic_class: str = "chat",
+        cache_salt: bytes = b"",
     ) -> Request:
         if self.error is not None:
             raise RuntimeError("the engine loop has failed") from self.error
@@ -107,15 +129,48 @@ class Engine:
             params=params,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
+            traffic_class=traffic_class,
+            cache_salt=cache_salt,
         )
         if req.request_id in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
         req.outputs = asyncio.Queue()
         self.requests[req.request_id] = req
         self.outputs.add(req)
+        prefix = self.scheduler.prefix
+        store_keys = prefix.store_keys(req) if prefix is not None else []
+        if store_keys:
+            req.status = RequestStatus.LOADING
+            task = asyncio.create_task(self._load_from_store(req, store_keys))
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+        else:
+            self.scheduler.add(req)
+            self._wakeup.set()
+        return req
+
+    async def _load_from_store(self, req: Request, keys: list[bytes]) -> None:
+        """Read the request's blocks from the store while it (alone) waits; a failure is a miss."""
+        prefix = self.scheduler.prefix
+        try:
+            payloads = await prefix.store.load_chain(keys)
+        except Exception:
+            log.exception("kv_store_load_failed", request_id=req.request_id)
+            payloads = []
+        if req.finished:
+            return
+        prefix.receive(req, keys, payloads)
         self.scheduler.add(req)
         self._wakeup.set()
-        return req
+
+    async def _sweep_store(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(self.sweeper.store.pool, self.sweeper.sweep)
+            except Exception:
+                log.exception("kv_store_sweep_failed")
+            await asyncio.sleep(self.sweep_interval_s)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; closing the iterator early aborts the request."""
@@ -165,49 +220,53 @@ class Engine:
         self.outputs.remove(req)
         self.requests.pop(req.request_id, None)
 
+    @property
+    def traffic_classes(self) -> TrafficClasses | None:
+        prefix = self.scheduler.prefix
+        return prefix.classes if prefix is not None else None
+
     def stats(self) -> dict[str, object]:
         usage = self.kv.usage()
+        prefix = self.scheduler.prefix
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "loading": len(self._loads),
             "kv_blocks_total": sum(u.num_blocks for u in usage),
             "kv_blocks_free": sum(u.num_free for u in usage),
             "steps": self.steps,
-        } | self._prefix_stats()
-
-    def _prefix_stats(self) -> dict[str, object]:
-        prefix = self.scheduler.prefix
-        if prefix is None:
-            return {}
-        stats: dict[str, object] = {
-            "prefix_lookups": prefix.lookups,
-            "prefix_hit_blocks": prefix.hit_blocks,
-            "prefix_cached_blocks": len(self.kv.cached),
-        }
-        if prefix.swa is not None:
-            stats |= {"swa_hits": prefix.swa.hits, "swa_misses": prefix.swa.misses}
-        return stats
+        } | (prefix.snapshot_stats() if prefix is not None else {})
 
     # ---- the loop -----------------------------------------------------------------------
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        inflight: deque[tuple[SchedulerStep, asyncio.Future[StepResult]]] = deque()
+        prefix = self.scheduler.prefix
+        # (step or None for cache ops run while idle, its cache ops, the worker's future)
+        inflight: deque[tuple[SchedulerStep | None, CacheOps, asyncio.Future]] = deque()
         try:
             while True:
                 step = None
                 if self.overlap or not inflight:
                     step = self.scheduler.schedule()
+                ops = prefix.take_ops() if prefix is not None else CacheOps()
                 if step is not None:
-                    saves = self.scheduler.prefix.take_saves() if self.scheduler.prefix else []
-                    prepared = self.runner.prepare(step, self.kv, saves)
-                    inflight.append(
-                        (step, loop.run_in_executor(self._executor, self.runner.execute, prepared))
-                    )
+                    prepared = self.runner.prepare(step, self.kv, ops)
+                    future = loop.run_in_executor(self._executor, self.runner.execute, prepared)
+                    inflight.append((step, ops, future))
                     self.steps += 1
+                elif ops:
+                    future = loop.run_in_executor(
+                        self._executor, self.runner.execute_cache_ops, ops
+                    )
+                    inflight.append((None, ops, future))
                 if inflight and (step is None or len(inflight) > 1 or not self.overlap):
-                    done, future = inflight.popleft()
-                    self._process(done, await future)
+                    done, done_ops, future = inflight.popleft()
+                    result = await future
+                    if prefix is not None:
+                        prefix.completed(done_ops)
+                    if done is not None:
+                        self._process(done, result)
                 elif not inflight:
                     self._wakeup.clear()
                     if not self.scheduler.has_work:

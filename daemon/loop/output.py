@@ -63,6 +63,7 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_ids),
             num_cached_tokens=req.num_cached_tokens,
+            cached_tokens_by_tier=req.cached_tokens_by_tier or None,
         )
         if req.outputs is not None:
             req.outputs.put_nowait(out)

@@ -64,6 +64,7 @@ class FinishReason(enum.StrEnum):
 
 
 class RequestStatus(enum.Enum):
+    LOADING = enum.auto()  # its prefix blocks are being read from the block store
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
@@ -90,6 +91,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass(eq=False)
@@ -129,6 +131,11 @@ class Request:
     replay_from: int = 0  # a bounded replay recomputes [replay_from, replay_until) with its
     replay_until: int = 0  # sliding window limited to that range
     pending_restore: Any = None  # a prefix.RestoreOp for the request's next first step
+    traffic_class: str = "chat"  # block-store retention class
+    loaded: dict[bytes, Any] = field(default_factory=dict)  # store payloads until admission
+    cache_lookups: dict[str, int] = field(default_factory=dict)  # blocks, by tier
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # prompt tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
-from daemon.loop.prefix import RestoreOp, SaveOp
+from daemon.loop.prefix import CacheOps, RestoreOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -46,7 +47,7 @@ class PreparedStep:
     penalty_slots: list[int]
     bitmask: torch.Tensor | None  # [S, ceil(V/32)] int32 grammar masks (constrained rows only)
     bitmask_rows: list[int]
-    saves: list[SaveOp]  # snapshot sliding-window state before anything reuses its block
+    cache_ops: CacheOps  # tier moves and sliding-window saves, before anything reuses a block
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
 
 
@@ -70,6 +71,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.cache = model.allocate_cache(kv_groups, num_blocks, device)
+        paged = [i for i, g in enumerate(kv_groups) if not g.spec.per_request]
+        self.copier = BlockCopier([self.cache.block_views(i) for i in paged]) if paged else None
         self.vocab_size = model.vocab_size
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.penalties: dict[int, PenaltyState] = {}
@@ -83,7 +86,7 @@ class ModelRunner:
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
-    def prepare(self, step: SchedulerStep, kv: KVManager, saves: list[SaveOp]) -> PreparedStep:
+    def prepare(self, step: SchedulerStep, kv: KVManager, cache_ops: CacheOps) -> PreparedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         placeholder_rows: list[int] = []
@@ -155,11 +158,35 @@ class ModelRunner:
             penalty_slots=penalty_slots,
             bitmask=bitmask,
             bitmask_rows=bitmask_rows,
-            saves=saves,
+            cache_ops=cache_ops,
             restores=restores,
         )
 
     # ---- device side (worker thread) -------------------------------------------------------
+
+    def execute_cache_ops(self, ops: CacheOps) -> None:
+        """Cache ops with no step to ride on (the engine is idle)."""
+        if self.stream is None:
+            self.run_cache_ops(ops)
+            return
+        with self.device_module.stream(self.stream):
+            self.run_cache_ops(ops)
+
+    @torch.inference_mode()
+    def run_cache_ops(self, ops: CacheOps) -> None:
+        """Block saves first (a block saved may be the target of a load), then loads, then
+        sliding-window snapshots."""
+        if ops.block_saves:
+            payloads = self.copier.gather([s.blocks for s in ops.block_saves])
+            for save, payload in zip(ops.block_saves, payloads):
+                save.entry.payload = payload
+        if ops.block_loads:
+            self.copier.scatter(
+                [load.blocks for load in ops.block_loads],
+                [load.entry.payload for load in ops.block_loads],
+            )
+        for save in ops.swa_saves:
+            save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep) -> StepResult:
@@ -187,8 +214,7 @@ class ModelRunner:
         dev = self.device
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
-        for save in step.saves:
-            save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
+        self.run_cache_ops(step.cache_ops)
         for restore, tables in step.restores:
             self.cache.restore(restore, tables)
         input_ids = step.input_ids.to(dev, non_blocking=True)

@@ -121,6 +121,7 @@ class Scheduler:
                 req.pending_restore = None
                 break
             self.waiting.pop(i)
+            req.loaded = {}  # store payloads are on the device now (or not needed)
             req.status = RequestStatus.RUNNING
             req.slot = self._free_slots.pop()
             self.running.append(req)
@@ -159,9 +160,9 @@ class Scheduler:
         ]
         return max(candidates, key=lambda r: r.sort_key)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, final: bool = False) -> None:
         if self.prefix is not None:
-            self.prefix.leave(req)
+            self.prefix.leave(req, final)
         self.kv.free(req.request_id)
         if req.slot >= 0:
             self._free_slots.append(req.slot)
@@ -182,8 +183,8 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
-        self._release(req)
+        self._release(req, final=True)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -74,6 +74,10 @@ class PagedKVCache:
             for _ in range(spec.num_layers)
         ]
 
+    def block_views(self, group: int) -> list[torch.Tensor]:
+        """Every tensor of the (single) group, indexed by block on dim 0."""
+        return [t.view(-1, self.block_size, *t.shape[1:]) for kv in self.layers for t in kv]
+
     def build_attention(self, seqs: list[SeqSlice]) -> AttentionBatch:
         bs = self.block_size
         slot_mapping: list[int] = []

@@ -141,6 +141,19 @@ class V4Cache:
         for layer in cfg.layers_of(HCA):
             self.layers[layer] = state(cfg.hca_rate, hd, hd, by_name[HCA][1], False)
 
+    def block_views(self, group: int) -> list[torch.Tensor]:
+        """The tensors of paged group `group` (csa or hca), indexed by block on dim 0."""
+        name = next(n for n, i in self.group_index.items() if i == group)
+        views: list[torch.Tensor] = []
+        for layer in self.cfg.layers_of(CSA if name == CSA else HCA):
+            for st in (self.layers[layer], self.indexers.get(layer)):
+                if st is None:
+                    continue
+                views.append(st.entries)
+                if st.block_ovl_kv is not None:
+                    views += [st.block_ovl_kv, st.block_ovl_gate]
+        return views
+
     def build_attention(self, seqs) -> V4Batch:
         gi = self.group_index
         batch = V4Batch()

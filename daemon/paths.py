@@ -1,0 +1,10 @@
+"""Where deepinfer keeps files between runs (the demo checkpoint, the default block store)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))

@@ -1,0 +1,62 @@
+"""Real `deepinfer serve` processes for tests: start on a free port, wait until healthy, stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited during startup"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")
+
+
+@contextlib.contextmanager
+def daemon(
+    args: list[str], log_path: Path, timeout: float = 120
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m daemon serve ARGS --port <free>`; yields (base url, process). Leaving the
+    block kills the process if the test did not stop it."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "daemon", "serve", "--port", str(port), *args]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, timeout)
+            yield url, proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,158 @@
+"""The block store on real files: round trip, untrustworthy files are misses (and removed),
+concurrent writers in separate processes never expose a torn block, and a full or
+unwritable store skips writes, says so once and keeps serving."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from daemon.kv.block_store import BlockStore
+from daemon.kv.store_format import HEADER_BYTES, VERSION
+from tests.mounts import tmpfs
+
+FINGERPRINT = bytes(range(16))
+BLOCK_BYTES = 4096
+
+
+def payload(seed: int, nbytes: int = BLOCK_BYTES) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def test_round_trip_and_first_writer_wins(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES)
+    assert store.read(key(1)) is None
+    assert store.write(key(1), payload(1), "chat")
+    assert not store.write(key(1), payload(2), "agent")  # already published
+    assert torch.equal(store.read(key(1)), payload(1))
+    path = store.path(key(1))
+    assert (
+        path.stat().st_size == HEADER_BYTES + BLOCK_BYTES and path.parent.parent.parent == store.dir
+    )
+    assert store.counters.writes == 1 and store.counters.already_stored == 1
+    assert not list(store.dir.rglob("*.tmp.*"))
+    store.close()
+
+
+def _rewrite_version(raw: bytes) -> bytes:
+    fields = bytearray(raw[: HEADER_BYTES - 4])
+    struct.pack_into("<I", fields, 8, VERSION + 1)
+    return bytes(fields) + struct.pack("<I", zlib.crc32(fields)) + raw[HEADER_BYTES:]
+
+
+DAMAGE = {
+    "truncated": lambda raw: raw[: len(raw) // 2],
+    "truncated header": lambda raw: raw[:10],
+    "corrupted payload": lambda raw: raw[:-7] + bytes([raw[-7] ^ 0xFF]) + raw[-6:],
+    "corrupted header": lambda raw: raw[:30] + bytes([raw[30] ^ 0x01]) + raw[31:],
+    "wrong version": _rewrite_version,
+    "empty": lambda raw: b"",
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_files_are_removed_misses(tmp_path: Path, damage: str) -> None:
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES)
+    store.write(key(7), payload(7), "chat")
+    path = store.path(key(7))
+    path.write_bytes(DAMAGE[damage](path.read_bytes()))
+    assert store.read(key(7)) is None
+    assert not path.exists() and store.counters.bad_files == 1
+    store.close()
+
+
+def test_other_models_and_other_keys_are_misses(tmp_path: Path) -> None:
+    other = BlockStore(tmp_path, bytes(16), BLOCK_BYTES)
+    other.write(key(3), payload(3), "chat")
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES)
+    assert store.read(key(3)) is None  # written for another model fingerprint
+    store.write(key(4), payload(4), "chat")
+    os.replace(store.path(key(4)), store.path(key(5)))  # a file under the wrong name
+    assert store.read(key(5)) is None
+    assert store.counters.bad_files == 2
+    other.close()
+    store.close()
+
+
+# ---- concurrent writers in separate processes ---------------------------------------------
+
+N_KEYS = 24
+ROUNDS = 6
+
+
+def _writer(root: str, writer: int, rounds: int) -> None:
+    store = BlockStore(root, FINGERPRINT, 256 * 1024)
+    for r in range(rounds):
+        for i in range(N_KEYS):
+            store.path(key(i)).unlink(missing_ok=True)  # force a real rewrite every round
+            store.write(key(i), payload(1000 * writer + i, 256 * 1024), "chat")
+        del r
+    store.close()
+
+
+def test_concurrent_writers_never_expose_a_torn_block(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_writer, args=(str(tmp_path), w, ROUNDS)) for w in (1, 2)]
+    for p in writers:
+        p.start()
+    store = BlockStore(tmp_path, FINGERPRINT, 256 * 1024)
+    valid = {i: [payload(1000 * w + i, 256 * 1024) for w in (1, 2)] for i in range(N_KEYS)}
+    reads = 0
+    while any(p.is_alive() for p in writers) or reads == 0:
+        for i in range(N_KEYS):
+            got = store.read(key(i))
+            if got is not None:
+                reads += 1
+                assert any(torch.equal(got, v) for v in valid[i]), "a torn or mixed block was read"
+    for p in writers:
+        p.join()
+        assert p.exitcode == 0
+    assert reads > 0 and store.counters.bad_files == 0
+    store.close()
+
+
+# ---- a full disk and an unwritable directory ------------------------------------------------
+
+
+def test_full_disk_skips_writes_and_logs_once(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "size=64k") as root:
+        store = BlockStore(root, FINGERPRINT, BLOCK_BYTES, retry_writes_after_s=0)
+        with capture_logs() as logs:
+            written = [store.write(key(i), payload(i), "chat") for i in range(40)]
+        assert any(written) and not all(written)
+        failures = [e for e in logs if e["event"] == "kv_store_write_failed"]
+        assert len(failures) == 1 and "No space left" in failures[0]["error"]
+        assert not list(root.rglob("*.tmp.*"))  # no half-written leftovers
+        assert all(
+            torch.equal(store.read(key(i)), payload(i)) for i, ok in enumerate(written) if ok
+        )
+        store.close()
+
+
+def test_unwritable_directory_skips_writes_and_logs_once(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        context = tmpfs(tmp_path / "ro", "ro,size=64k")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        context = contextlib.nullcontext(tmp_path / "ro")
+    with context as root, capture_logs() as logs:
+        store = BlockStore(root / "store", FINGERPRINT, BLOCK_BYTES, retry_writes_after_s=0)
+        assert not any(store.write(key(i), payload(i), "chat") for i in range(5))
+        assert store.read(key(0)) is None
+        store.close()
+    failures = [e for e in logs if e["event"] == "kv_store_write_failed"]
+    assert len(failures) == 1, logs
