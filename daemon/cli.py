@@ -4,123 +4,141 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from daemon.config import EngineConfig, ServerConfig
-from daemon.logging_setup import LEVELS, setup_logging
+from daemon.logging_setup import setup_logging
 from daemon.paths import cache_dir
+from daemon.settings import LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
+
+S = argparse.SUPPRESS  # flags not given leave the settings file and environment alone
 
 log = structlog.get_logger(__name__)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument(
         "--model",
-        default=None,
+        default=S,
         help="checkpoint directory (default: the built-in random-weight demo model)",
     )
-    g.add_argument("--served-model-name", default=None, help="model name the API answers to")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--served-model-name", default=S, help="model name the API answers to")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=S)
+    g.add_argument("--max-num-seqs", type=int, default=S)
+    g.add_argument("--max-num-batched-tokens", type=int, default=S)
+    g.add_argument("--max-model-len", type=int, default=S)
+    g.add_argument("--block-size", type=int, default=S)
     g.add_argument(
         "--no-overlap",
         action="store_true",
+        default=S,
         help="schedule each step only after the previous one's outputs are processed",
     )
-    g.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
-    g.add_argument("--device", default=d.device, help="auto | cpu | cuda | npu")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--dtype", default=S, help="auto | float32 | float16 | bfloat16")
+    g.add_argument("--device", default=S, help="auto | cpu | cuda | npu")
+    g.add_argument("--seed", type=int, default=S)
     g.add_argument(
         "--cpu-threads",
         type=int,
-        default=d.cpu_threads,
+        default=S,
         help="torch threads on a CPU device (0: all cores, one left to the event loop with overlap)",
     )
     g.add_argument(
-        "--no-prefix-caching", action="store_true", help="recompute every prompt from scratch"
+        "--no-prefix-caching",
+        action="store_true",
+        default=S,
+        help="recompute every prompt from scratch",
     )
     g.add_argument(
         "--swa-miss-policy",
-        default=d.swa_miss_policy,
+        default=S,
         choices=("replay", "exact"),
         help="DeepSeek-V4, cached blocks but no sliding-window state: bounded replay or exact",
     )
-    g.add_argument("--swa-cache-memory-gb", type=float, default=d.swa_cache_memory_gb)
-    g.add_argument("--swa-cache-ttl-s", type=float, default=d.swa_cache_ttl_s)
+    g.add_argument("--swa-cache-memory-gb", type=float, default=S)
+    g.add_argument("--swa-cache-ttl-s", type=float, default=S)
     g.add_argument(
         "--host-cache-memory-gb",
         type=float,
-        default=d.host_cache_memory_gb,
+        default=S,
         help="host-memory tier of the prefix cache (0: off)",
     )
     g.add_argument(
         "--kv-store-dir",
-        default=None,
+        default=S,
         help="block store directory shared by all daemons (a 3FS mount; default: "
         "$DEEPINFER_CACHE/kv-store, i.e. ~/.cache/deepinfer/kv-store)",
     )
-    g.add_argument("--no-kv-store", action="store_true", help="keep no blocks on disk")
+    g.add_argument("--no-kv-store", action="store_true", default=S, help="keep no blocks on disk")
     g.add_argument(
-        "--kv-store-fsync", action="store_true", help="fsync each block before publishing it"
+        "--kv-store-fsync",
+        action="store_true",
+        default=S,
+        help="fsync each block before publishing it",
     )
-    g.add_argument("--kv-store-io-threads", type=int, default=d.kv_store_io_threads)
+    g.add_argument("--kv-store-io-threads", type=int, default=S)
     g.add_argument(
         "--kv-store-capacity-gb",
         type=float,
-        default=d.kv_store_capacity_gb,
+        default=S,
         help="evict above the high watermark of this (0: the file system's size)",
     )
-    g.add_argument("--kv-store-high-watermark", type=float, default=d.kv_store_high_watermark)
-    g.add_argument("--kv-store-low-watermark", type=float, default=d.kv_store_low_watermark)
-    g.add_argument("--kv-store-gc-interval-s", type=float, default=d.kv_store_gc_interval_s)
+    g.add_argument("--kv-store-high-watermark", type=float, default=S)
+    g.add_argument("--kv-store-low-watermark", type=float, default=S)
+    g.add_argument("--kv-store-gc-interval-s", type=float, default=S)
     g.add_argument(
         "--traffic-class",
         action="append",
-        default=[],
+        default=S,
         metavar="NAME=DURATION",
         help="block-store retention of a traffic class, e.g. agent=3d, batch=12h "
         "(defaults: chat=7d, agent=3d; 0: never stored)",
     )
-    g.add_argument("--log-level", default="info", choices=LEVELS)
-    g.add_argument("--log-format", default="console", choices=("console", "json"))
+    g.add_argument("--log-level", default=S, choices=LOG_LEVELS)
+    g.add_argument("--log-format", default=S, choices=LOG_FORMATS, help="auto: JSON unless a TTY")
+    g.add_argument("--log-file", default=S, help="append logs here (SIGHUP reopens it)")
 
 
-def _engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model,
-        served_model_name=a.served_model_name,
-        device=a.device,
-        dtype=a.dtype,
-        kv_cache_memory_gb=a.kv_cache_memory_gb,
-        block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        overlap=not a.no_overlap,
-        cpu_threads=a.cpu_threads,
-        seed=a.seed,
-        prefix_caching=not a.no_prefix_caching,
-        swa_miss_policy=a.swa_miss_policy,
-        swa_cache_memory_gb=a.swa_cache_memory_gb,
-        swa_cache_ttl_s=a.swa_cache_ttl_s,
-        host_cache_memory_gb=a.host_cache_memory_gb,
-        kv_store_dir=None if a.no_kv_store else a.kv_store_dir or str(cache_dir() / "kv-store"),
-        kv_store_fsync=a.kv_store_fsync,
-        kv_store_io_threads=a.kv_store_io_threads,
-        kv_store_capacity_gb=a.kv_store_capacity_gb,
-        kv_store_high_watermark=a.kv_store_high_watermark,
-        kv_store_low_watermark=a.kv_store_low_watermark,
-        kv_store_gc_interval_s=a.kv_store_gc_interval_s,
-        traffic_classes=a.traffic_class,
-    )
+# flags whose config key or value differs from the flag (dest -> section, key, value)
+_RENAMED: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
+    "no_overlap": ("engine", "overlap", lambda v: not v),
+    "no_prefix_caching": ("engine", "prefix_caching", lambda v: not v),
+    "no_kv_store": ("engine", "kv_store_dir", lambda v: ""),
+    "traffic_class": ("engine", "traffic_classes", lambda v: v),
+    "log_level": ("logging", "level", lambda v: v),
+    "log_format": ("logging", "format", lambda v: v),
+    "log_file": ("logging", "file", lambda v: v),
+}
+_COMMAND_ONLY = {"command", "config", "config_command", "file"}
+
+
+def _overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} for the flags given on the command line."""
+    out: dict[str, dict[str, Any]] = {"engine": {}, "server": {}, "logging": {}}
+    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+    for dest, value in vars(a).items():
+        if dest in _RENAMED:
+            section, key, convert = _RENAMED[dest]
+            out[section][key] = convert(value)
+        elif dest in engine_keys:
+            out["engine"][dest] = value
+        elif dest in {f.name for f in dataclasses.fields(ServerConfig)}:
+            out["server"][dest] = value
+    return out
+
+
+def _settings(a: argparse.Namespace) -> Settings:
+    # serving keeps blocks on disk unless told otherwise (`kv_store_dir = ""` turns it off)
+    base = {"engine": {"kv_store_dir": str(cache_dir() / "kv-store")}}
+    return load_settings(getattr(a, "config", None), os.environ, _overrides(a), base=base)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,25 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    s = ServerConfig()
-    serve.add_argument("--host", default=s.host)
-    serve.add_argument("--port", type=int, default=s.port)
-    serve.add_argument("--max-body-bytes", type=int, default=s.max_body_bytes)
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="TOML settings file ([engine], [server], [logging]); environment variables "
+        "DEEPINFER_<SECTION>_<KEY> and flags override it",
+    )
+    serve.add_argument("--host", default=S)
+    serve.add_argument("--port", type=int, default=S)
+    serve.add_argument("--max-body-bytes", type=int, default=S)
     serve.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=s.shutdown_timeout,
+        default=S,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
     serve.add_argument(
         "--api-key",
-        default=s.api_key,
+        default=S,
         help="require this key (Authorization: Bearer <key> or x-api-key: <key>)",
     )
     serve.add_argument(
         "--max-waiting",
         type=int,
-        default=s.max_waiting,
+        default=S,
         help="answer 429 once this many requests wait for the engine (0 = no limit)",
     )
     _engine_args(serve)
@@ -165,45 +188,64 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--ignore-eos", action="store_true")
     _engine_args(gen)
+
+    config = sub.add_parser("config", help="settings files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser(
+        "check", help="validate a settings file (with the environment's overrides)"
+    )
+    check.add_argument("file")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level, args.log_format)
-    if args.model is None:
+    if args.command == "config":
+        return _config_check(args.file)
+    try:
+        settings = _settings(args)
+    except ConfigError as e:
+        print(f"deepinfer: invalid settings: {e}", file=sys.stderr)
+        return 2
+    setup_logging(settings.logging.level, settings.logging.format, settings.logging.file)
+    if not settings.engine.model:
         log.warning(
             "demo_model",
-            note="no --model given: using the built-in RANDOM-WEIGHT demo "
+            note="no model given: using the built-in RANDOM-WEIGHT demo "
             "model; its output is noise, useful only to exercise the daemon",
         )
     try:
         if args.command == "serve":
             from daemon.api.server import run_server
 
-            server_cfg = ServerConfig(
-                host=args.host,
-                port=args.port,
-                max_body_bytes=args.max_body_bytes,
-                shutdown_timeout=args.shutdown_timeout,
-                api_key=args.api_key,
-                max_waiting=args.max_waiting,
-            )
-            run_server(_engine_config(args), server_cfg)
-        else:
-            import uvloop
+            return run_server(settings)
+        import uvloop
 
-            uvloop.run(_generate(args))
+        uvloop.run(_generate(args, settings.engine))
     except KeyboardInterrupt:
         return 130
     return 0
 
 
-async def _generate(args: argparse.Namespace) -> None:
+def _config_check(path: str) -> int:
+    try:
+        settings = load_settings(path, os.environ)
+    except ConfigError as e:
+        print(f"{path}: invalid: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}: ok")
+    for section in ("engine", "server", "logging"):
+        for key, value in vars(getattr(settings, section)).items():
+            shown = "(set)" if key == "api_key" and value else value
+            print(f"  {section}.{key} = {shown!r}")
+    return 0
+
+
+async def _generate(args: argparse.Namespace, engine_cfg: EngineConfig) -> None:
     from daemon.build import build_engine
     from daemon.loop.request import SamplingParams
 
-    engine, name = build_engine(_engine_config(args))
+    engine, name = build_engine(engine_cfg)
     if engine.tokenizer is None:
         raise SystemExit(f"{name} has no tokenizer.json; generate needs text prompts encoded")
     params = SamplingParams(

@@ -11,6 +11,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from daemon.api import access
 from daemon.api.cache_options import cache_options, prompt_tokens_details
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, submit_all
@@ -110,9 +111,12 @@ async def handle_templated(request: web.Request, state: ApiState, body: dict) ->
     )
     cache = cache_options(request, body, engine)
     req = submit_all(engine, c.id, [(prompt_ids, params)], cache=cache)[0]
-    if stream:
-        return await _stream(request, state, req, c, include_usage)
-    return await _whole(state, req, c)
+    try:
+        if stream:
+            return await _stream(request, state, req, c, include_usage)
+        return await _whole(state, req, c)
+    finally:
+        access.note(request, c.id, [req], stream)
 
 
 async def _whole(state: ApiState, req: Request, c: _Chat) -> web.Response:

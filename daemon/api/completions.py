@@ -10,6 +10,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from daemon.api import access
 from daemon.api.cache_options import cache_options, prompt_tokens_details
 from daemon.api.completions_protocol import (
     CompletionRequest,
@@ -115,23 +116,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     jobs = [(ids, creq.params_for(j)) for ids in prompt_ids for j in range(creq.n)]
     c.choices = [_Choice(i, ids) for i, (ids, _) in enumerate(jobs)]
     reqs = submit_all(engine, c.id, jobs, creq.priority, cache)
-    start = time.monotonic()
     try:
         if creq.stream:
             return await _stream(request, engine, reqs, c)
         return await _whole(engine, reqs, c)
     finally:
-        usage = c.usage()
-        log.info(
-            "completion",
-            id=c.id,
-            choices=len(reqs),
-            stream=creq.stream,
-            prompt_tokens=usage["prompt_tokens"],
-            completion_tokens=usage["completion_tokens"],
-            finish=[ch.finish_reason.value if ch.finish_reason else None for ch in c.choices],
-            seconds=round(time.monotonic() - start, 3),
-        )
+        access.note(request, c.id, reqs, creq.stream)
 
 
 async def _whole(engine: Engine, reqs: list[Request], c: _Completion) -> web.Response:

@@ -9,6 +9,7 @@ import uuid
 import structlog
 from aiohttp import web
 
+from daemon.api import access
 from daemon.api.cache_options import cache_options
 from daemon.api.chat_dense import handle_templated
 from daemon.api.constraints import ENFORCED_KINDS
@@ -45,7 +46,6 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
     state.check_capacity()
     cache = cache_options(request, body, state.engine)
     req = submit_all(state.engine, rid, [(prepared.prompt_ids, prepared.params)], cache=cache)[0]
-    start = time.monotonic()
     out = OutputStream(
         state.codec.processor(prepared), state.engine.eos_token_ids, len(req.prompt_ids)
     )
@@ -55,15 +55,7 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
         return await _whole(state, protocol, req, out, rid)
     finally:
         out.close()
-        log.info(
-            protocol.name,
-            id=rid,
-            stream=prepared.stream,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            finish=req.finish_reason.value if req.finish_reason else None,
-            seconds=round(time.monotonic() - start, 3),
-        )
+        access.note(request, rid, [req], prepared.stream)
 
 
 async def _whole(

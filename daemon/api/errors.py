@@ -58,13 +58,15 @@ def error_response(
     if anthropic:
         body = anthropic_error_body(status, message)
     else:
-        type_ = type_ or _TYPES.get(
-            status, "invalid_request_error" if status < 500 else "internal_error"
-        )
-        body = error_body(message, type_, param, code)
+        body = error_body(message, type_ or error_type(status), param, code)
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type of a status."""
+    return _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
 
 
 class ApiError(Exception):
@@ -133,8 +135,9 @@ def overloaded(retry_after_s: int = 1) -> ApiError:
     )
 
 
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, code="service_unavailable")
+def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return ApiError(503, message, code="service_unavailable", headers=headers)
 
 
 def internal_error() -> ApiError:
@@ -151,17 +154,28 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as e:
+        _count(request, e.status, e.type_ or error_type(e.status))
         return e.response(anthropic)
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        _count(request, e.status, error_type(e.status))
         return error_response(e.status, _http_message(request, e), anthropic=anthropic)
     except ConnectionResetError:  # the client went away; nobody reads this answer
         log.info("client_disconnected", method=request.method, path=request.path)
         return web.Response(status=499)
     except Exception:
         log.exception("unhandled_error", method=request.method, path=request.path)
+        _count(request, 500, error_type(500))
         return internal_error().response(anthropic)
+
+
+def _count(request: web.Request, status: int, kind: str) -> None:
+    from daemon.api.state import STATE  # (state imports this module)
+
+    state = request.app.get(STATE)
+    if state is not None and state.metrics is not None:
+        state.metrics.on_error(status, kind)
 
 
 def _http_message(request: web.Request, e: web.HTTPException) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -11,25 +12,29 @@ from types import ModuleType
 import structlog
 import uvloop
 from aiohttp import web
-from aiohttp.abc import AbstractAccessLogger
 
-from daemon.api import completions, conversations, models, tokenize
+from daemon import logging_setup
+from daemon.api import completions, conversations, metrics, models, tokenize
+from daemon.api.access import AccessLogger, echo_request_id, request_id_middleware
 from daemon.api.auth import auth_middleware
 from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
 from daemon.api.errors import error_middleware
 from daemon.api.state import STATE, ApiState
 from daemon.build import build_engine
-from daemon.config import EngineConfig, ServerConfig
+from daemon.config import ServerConfig
 from daemon.demo import DEMO_NAME, is_demo
 from daemon.loop.engine import Engine
+from daemon.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.recipe.codec import RecipeCodec
+from daemon.sd_notify import Notifier
+from daemon.settings import Settings
 
 log = structlog.get_logger(__name__)
 
 # Each endpoint module exposes register(app).
-ENDPOINTS: tuple[ModuleType, ...] = (models, completions, conversations, tokenize)
+ENDPOINTS: tuple[ModuleType, ...] = (models, completions, conversations, tokenize, metrics)
 
 
 def create_app(
@@ -43,7 +48,8 @@ def create_app(
     """`model_dir` (the checkpoint) supplies the chat template of non-DeepSeek families."""
     codec = _codec(engine, served_name)
     app = web.Application(
-        client_max_size=server_cfg.max_body_bytes, middlewares=[error_middleware, auth_middleware]
+        client_max_size=server_cfg.max_body_bytes,
+        middlewares=[request_id_middleware, error_middleware, auth_middleware],
     )
     app[STATE] = ApiState(
         engine,
@@ -55,9 +61,11 @@ def create_app(
         constraints=_constraints(engine),
         max_waiting=server_cfg.max_waiting,
         api_key=server_cfg.api_key,
+        metrics=EngineMetrics(engine),
     )
     for endpoint in ENDPOINTS:
         endpoint.register(app)
+    app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     return app
@@ -96,19 +104,6 @@ async def _stop_engine(app: web.Application) -> None:
         app[STATE].constraints.close()
 
 
-class AccessLogger(AbstractAccessLogger):
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        emit = log.debug if request.path == "/health" else log.info
-        emit(
-            "http",
-            method=request.method,
-            path=request.path,
-            status=response.status,
-            ms=round(time * 1000, 1),
-            remote=request.remote,
-        )
-
-
 async def start_server(app: web.Application, server_cfg: ServerConfig) -> web.AppRunner:
     """Starts serving `app` on host:port (port 0 = any free one; see `bound_port`)."""
     runner = web.AppRunner(
@@ -130,32 +125,83 @@ def bound_port(runner: web.AppRunner) -> int:
     return runner.addresses[0][1]
 
 
-async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
-    """Builds the engine, serves until SIGINT/SIGTERM, then shuts down gracefully."""
+async def serve(settings: Settings) -> int:
+    """Builds the engine and serves until SIGTERM/SIGINT; then drains (new requests get 503,
+    running ones finish within `shutdown_timeout`; a second signal aborts them) and exits."""
+    engine_cfg, server_cfg = settings.engine, settings.server
     engine, name = build_engine(engine_cfg)
-    demo = engine_cfg.model is None or is_demo(read_config(Path(engine_cfg.model)))
+    demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    log.info(
-        "serving",
-        url=f"http://{server_cfg.host}:{bound_port(runner)}/v1",
-        model=name,
-        random_weight_demo=demo,
-    )
+    url = f"http://{server_cfg.host}:{bound_port(runner)}/v1"
+    notifier = Notifier()
+    signals = _Signals(asyncio.get_running_loop())
+    log.info("serving", url=url, model=name, random_weight_demo=demo, systemd=notifier.enabled)
+    notifier.ready(f"serving {name} at {url}")
+    notifier.start_watchdog()
+    status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
     try:
-        await stop.wait()
-        log.info("shutting_down", grace_s=server_cfg.shutdown_timeout)
+        await signals.stop.wait()
+        app[STATE].draining = True
+        notifier.stopping(f"draining {len(engine.requests)} requests")
+        log.info("draining", requests=len(engine.requests), grace_s=server_cfg.shutdown_timeout)
+        if not await _drain(engine, server_cfg.shutdown_timeout, signals.force):
+            log.warning("drain_cut_short", aborted=len(engine.requests))
+            for request_id in list(engine.requests):
+                engine.abort(request_id)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        status.cancel()
+        signals.remove()
+        await runner.cleanup()  # stops the engine, which flushes block-store writes
+        await notifier.close()
     log.info("stopped")
+    return 0
 
 
-def run_server(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
-    uvloop.run(serve(engine_cfg, server_cfg))
+class _Signals:
+    """SIGTERM/SIGINT: first one starts the drain, a second one cuts it short.
+    SIGHUP: reopen the log file (after logrotate)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.stop, self.force = loop, asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
+
+    def _on_stop(self) -> None:
+        if self.stop.is_set():
+            self.force.set()
+        self.stop.set()
+
+    def _on_hangup(self) -> None:
+        logging_setup.SINK.reopen()
+        log.info("logs_reopened", file=logging_setup.SINK.path)
+
+    def remove(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self.loop.remove_signal_handler(sig)
+
+
+async def _drain(engine: Engine, timeout_s: float, force: asyncio.Event) -> bool:
+    """True once no request is left, False when the timeout or `force` comes first."""
+    deadline = time.monotonic() + timeout_s
+    while engine.requests:
+        if force.is_set() or time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(force.wait(), 0.05)
+    return True
+
+
+async def _report_status(engine: Engine, notifier: Notifier) -> None:
+    if not notifier.enabled:
+        return
+    while True:
+        await asyncio.sleep(5)
+        stats = engine.stats()
+        notifier.status(f"{stats['running']} running, {stats['waiting']} waiting")
+
+
+def run_server(settings: Settings) -> int:
+    return uvloop.run(serve(settings))

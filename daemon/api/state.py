@@ -11,6 +11,7 @@ from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
 from daemon.api.errors import bad_request, model_not_found, overloaded, unavailable
 from daemon.loop.engine import Engine
+from daemon.metrics import EngineMetrics
 from daemon.recipe.codec import RecipeCodec
 
 
@@ -25,12 +26,16 @@ class ApiState:
     constraints: Constraints | None = None  # structured output (xgrammar)
     max_waiting: int = 0  # 429 once this many requests wait for the engine (0 = no limit)
     api_key: str | None = field(default=None, repr=False)
+    metrics: EngineMetrics | None = None
+    draining: bool = False  # shutting down: finish what runs, admit nothing new
 
     def check_model(self, model: str) -> None:
         if model != self.served_name:
             raise model_not_found(model)
 
     def check_engine(self) -> None:
+        if self.draining:
+            raise unavailable("the server is shutting down; retry on another node", 5)
         if self.engine.error is not None:
             raise unavailable("the inference engine has failed; the server must be restarted")
 

@@ -14,6 +14,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import structlog
 
@@ -34,6 +35,11 @@ from daemon.loop.scheduler import Scheduler, SchedulerStep
 from daemon.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
+
+
+class RequestObserver(Protocol):
+    def on_token(self, req: Request) -> None: ...
+    def on_finished(self, req: Request) -> None: ...
 
 
 class RequestRejected(ValueError):
@@ -70,6 +76,7 @@ class Engine:
         self._ids = itertools.count()
         self.steps = 0
         self.error: BaseException | None = None
+        self.observer: RequestObserver | None = None  # metrics
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -217,6 +224,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
+        if self.observer is not None:
+            self.observer.on_finished(req)
         self.outputs.remove(req)
         self.requests.pop(req.request_id, None)
 
@@ -292,6 +301,8 @@ class Engine:
             token, logprob = next(samples)
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
+            if self.observer is not None:
+                self.observer.on_token(req)
             finish = self.outputs.append_token(req, token, logprob)
             self.outputs.emit(req, [token], [logprob] if logprob else [], finish)
             if finish is not None:

@@ -122,7 +122,9 @@ class Request:
     aborted: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    scheduled_time: float | None = None  # first admitted to a step (monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     outputs: asyncio.Queue[RequestOutput] | None = None
     # prefix cache
     cache_salt: bytes = b""

@@ -4,6 +4,7 @@ priority/FCFS admission and preemption (free and recompute) when KV blocks run o
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -122,6 +123,8 @@ class Scheduler:
                 break
             self.waiting.pop(i)
             req.loaded = {}  # store payloads are on the device now (or not needed)
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             req.slot = self._free_slots.pop()
             self.running.append(req)

@@ -1,0 +1,188 @@
+"""Prometheus metrics under the `deepinfer:` prefix, with vLLM's meanings where vLLM has the
+metric: latency histograms observed per request, counters and gauges read from the engine's
+own statistics when scraped (nothing is counted twice)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from daemon.kv.tier_stats import TIERS
+from daemon.loop.engine import Engine
+from daemon.loop.request import FinishReason, Request
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+
+
+class EngineMetrics:
+    """The engine's request observer, and the registry /metrics serves."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "deepinfer:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "deepinfer:inter_token_latency_seconds",
+            "Time between tokens.",
+            buckets=_TOKEN,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "deepinfer:e2e_request_latency_seconds",
+            "Arrival to finish, per request.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "deepinfer:request_queue_time_seconds",
+            "Arrival to first scheduled step (including block-store reads).",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "deepinfer:prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "deepinfer:generation_tokens", "Generated tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "deepinfer:prompt_tokens_cached",
+            "Prompt tokens whose KV came from the prefix cache, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "deepinfer:request_success",
+            "Finished requests by reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "deepinfer:http_errors",
+            "Error responses by status and type.",
+            ["status", "type"],
+            registry=r,
+        )
+        r.register(_EngineCollector(engine))
+        engine.observer = self
+
+    # ---- engine observer (event loop) ----------------------------------------------------
+
+    def on_token(self, req: Request) -> None:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.observe(now - req.arrival)
+        elif req.last_token_time is not None:
+            self.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+
+    def on_finished(self, req: Request) -> None:
+        self.e2e.observe(time.monotonic() - req.arrival)
+        if req.scheduled_time is not None:
+            self.queue.observe(req.scheduled_time - req.arrival)
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.generation_tokens.inc(len(req.output_ids))
+        for tier, n in req.cached_tokens_by_tier.items():
+            self.cached_tokens.labels(tier).inc(n)
+        reason = req.finish_reason or FinishReason.ABORT
+        self.finished.labels(reason.value).inc()
+
+    def on_error(self, status: int, kind: str) -> None:
+        self.errors.labels(str(status), kind).inc()
+
+
+class _EngineCollector:
+    """Gauges and cumulative counters straight from Engine.stats() at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        for name, key, doc in (
+            ("num_requests_running", "running", "Requests in the running batch."),
+            ("num_requests_waiting", "waiting", "Requests waiting to be scheduled."),
+            ("num_requests_loading", "loading", "Requests waiting for block-store reads."),
+        ):
+            yield GaugeMetricFamily(f"deepinfer:{name}", doc, value=stats[key])
+        usage = GaugeMetricFamily(
+            "deepinfer:kv_cache_usage_perc",
+            "Fraction of KV blocks in use, by kind.",
+            labels=["kind"],
+        )
+        for group, u in zip(self.engine.kv.groups, self.engine.kv.usage()):
+            used = 1 - u.num_free / u.num_blocks if u.num_blocks else 0.0
+            usage.add_metric([getattr(group.spec, "name", "full")], used)
+        yield usage
+        preempted = self.engine.scheduler.num_preemptions
+        yield CounterMetricFamily(
+            "deepinfer:num_preemptions", "Requests preempted (freed, recomputed).", value=preempted
+        )
+        if "prefix_requests" not in stats:
+            return
+        yield from self._prefix(stats)
+
+    @staticmethod
+    def _prefix(stats: dict) -> Iterator[Metric]:
+        per_tier = {
+            "lookups": CounterMetricFamily(
+                "deepinfer:prefix_cache_block_lookups",
+                "Prefix blocks looked for, by tier.",
+                labels=["tier"],
+            ),
+            "hits": CounterMetricFamily(
+                "deepinfer:prefix_cache_block_hits",
+                "Prefix blocks found, by tier.",
+                labels=["tier"],
+            ),
+            "bytes_read": CounterMetricFamily(
+                "deepinfer:prefix_cache_read_bytes",
+                "Bytes brought in (host: to the device; store: from files).",
+                labels=["tier"],
+            ),
+            "bytes_written": CounterMetricFamily(
+                "deepinfer:prefix_cache_written_bytes",
+                "Bytes sent out (host: from the device; store: to files).",
+                labels=["tier"],
+            ),
+        }
+        rate = GaugeMetricFamily(
+            "deepinfer:prefix_cache_hit_rate",
+            "Block hit rate of each tier's lookups.",
+            labels=["tier"],
+        )
+        for tier in TIERS:
+            for key, family in per_tier.items():
+                family.add_metric([tier], stats[f"prefix_{tier}_{key}"])
+            rate.add_metric([tier], stats[f"prefix_{tier}_hit_rate"])
+        yield from per_tier.values()
+        yield rate
+        yield CounterMetricFamily(
+            "deepinfer:prefix_cache_queries",
+            "Prompt tokens looked up.",
+            value=stats["prefix_prompt_tokens"],
+        )
+        yield CounterMetricFamily(
+            "deepinfer:prefix_cache_hits", "Prompt tokens found.", value=stats["prefix_hit_tokens"]
+        )
+        yield GaugeMetricFamily(
+            "deepinfer:prefix_cache_token_hit_rate",
+            "Prompt tokens found / looked up, since start.",
+            value=stats["prefix_token_hit_rate"],
+        )
+        if "host_cache_bytes" in stats:
+            yield GaugeMetricFamily(
+                "deepinfer:host_cache_bytes",
+                "Bytes held by the host tier.",
+                value=stats["host_cache_bytes"],
+            )

@@ -1,0 +1,57 @@
+"""SIGTERM while 20 streams run: every stream finishes, new requests get 503 with
+Retry-After, and the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from tests.daemons import daemon
+
+MAX_TOKENS = 300
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, started: asyncio.Event, i: int
+) -> str | None:
+    body = {
+        "model": "tiny", "prompt": list(range(100 + i, 140 + i)), "max_tokens": MAX_TOKENS,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    finish, chunks = None, 0
+    async with http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunks += 1
+            started.set()
+            finish = orjson.loads(line[6:])["choices"][0]["finish_reason"] or finish
+    return finish
+
+
+async def test_sigterm_drains_streams(tiny_model_dir: Path, tmp_path: Path) -> None:
+    args = [
+        "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-memory-gb",
+        "0.05", "--no-kv-store", "--shutdown-timeout", "120", "--log-format", "json",
+    ]  # fmt: skip
+    with daemon(args, tmp_path / "d.log") as (url, proc):
+        async with aiohttp.ClientSession() as http:
+            started = [asyncio.Event() for _ in range(20)]
+            streams = [asyncio.create_task(_stream(http, url, started[i], i)) for i in range(20)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            body = {"model": "tiny", "prompt": "late", "max_tokens": 2}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 503 and r.headers["Retry-After"]
+                assert "shutting down" in (await r.json())["error"]["message"]
+            finishes = await asyncio.wait_for(asyncio.gather(*streams), 180)
+        assert finishes == ["length"] * 20
+        assert await asyncio.to_thread(proc.wait, 60) == 0
+    log = (tmp_path / "d.log").read_text()
+    assert '"event": "draining"' in log and '"event": "stopped"' in log
