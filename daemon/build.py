@@ -23,6 +23,7 @@ from daemon.loop.prefix import PrefixCache
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
 from daemon.models.loader import checkpoint_dtype, load_model, read_config
+from daemon.moe.setup import setup_moe
 from daemon.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -48,7 +49,9 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
-    engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, cfg.overlap)
+    moe, executor = setup_moe(cfg, model, runner)
+    engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, cfg.overlap, executor)
+    engine.moe = moe
     if prefix is not None and prefix.store is not None:
         engine.sweeper = _sweeper(cfg, prefix.store, prefix.classes)
         engine.sweep_interval_s = cfg.kv_store_gc_interval_s

@@ -102,6 +102,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="block-store retention of a traffic class, e.g. agent=3d, batch=12h "
         "(defaults: chat=7d, agent=3d; 0: never stored)",
     )
+    m = p.add_argument_group("MoE expert parallelism (one daemon process per rank)")
+    m.add_argument("--ep-size", type=int, default=S, help="ranks in the group (1: off)")
+    m.add_argument("--ep-rank", type=int, default=S)
+    m.add_argument("--ep-master", default=S, help="host:port of rank 0 (default 127.0.0.1:29500)")
+    m.add_argument("--ep-slots-per-rank", type=int, default=S, help="0: ceil(experts/ranks)+1")
+    m.add_argument("--moe-stats-interval", type=int, default=S, help="steps (default 1000)")
+    m.add_argument(
+        "--moe-rebalance-interval", type=int, default=S, help="steps (default 10000; 0: on command)"
+    )
+    m.add_argument("--moe-stats-window", type=int, default=S, help="samples (default 10)")
     g.add_argument("--log-level", default=S, choices=LOG_LEVELS)
     g.add_argument("--log-format", default=S, choices=LOG_FORMATS, help="auto: JSON unless a TTY")
     g.add_argument("--log-file", default=S, help="append logs here (SIGHUP reopens it)")
@@ -117,7 +127,14 @@ _RENAMED: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "log_format": ("logging", "format", lambda v: v),
     "log_file": ("logging", "file", lambda v: v),
 }
-_COMMAND_ONLY = {"command", "config", "config_command", "file"}
+ADMIN_COMMANDS = {
+    "status": "engine, cache and MoE state",
+    "expert-load": "per MoE layer: expert loads, rank loads, imbalance (max/mean)",
+    "rebalance-now": "place the experts anew from the load window, live",
+    "set-intervals": "MoE statistics / rebalance intervals (rank 0)",
+    "drain": "stop admitting requests (503); running ones finish",
+    "resume": "admit requests again",
+}
 
 
 def _overrides(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -167,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require this key (Authorization: Bearer <key> or x-api-key: <key>)",
     )
     serve.add_argument(
+        "--admin-socket",
+        default=S,
+        help="serve the admin API on this Unix socket (mode 0600); see `deepinfer admin`",
+    )
+    serve.add_argument(
         "--max-waiting",
         type=int,
         default=S,
@@ -195,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate a settings file (with the environment's overrides)"
     )
     check.add_argument("file")
+
+    admin = sub.add_parser("admin", help="talk to a running daemon's admin socket")
+    admin.add_argument("--socket", required=True, help="the daemon's admin socket path")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    for name, text in ADMIN_COMMANDS.items():
+        cmd = admin_sub.add_parser(name, help=text)
+        if name == "set-intervals":
+            cmd.add_argument("--stats", type=int, help="steps between expert-load samples")
+            cmd.add_argument("--rebalance", type=int, help="steps between placements (0: off)")
     return parser
 
 
@@ -202,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config":
         return _config_check(args.file)
+    if args.command == "admin":
+        from daemon.admin_client import run_admin
+
+        return run_admin(args.socket, args.admin_command, args)
     try:
         settings = _settings(args)
     except ConfigError as e:

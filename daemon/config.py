@@ -34,6 +34,14 @@ class EngineConfig:
     kv_store_low_watermark: float = 0.8  # ... down to this one
     kv_store_gc_interval_s: float = 300.0
     traffic_classes: list[str] = field(default_factory=list)  # NAME=DURATION retention overrides
+    # expert parallelism (MoE models): one daemon process per rank, ranks step together
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_master: str = "127.0.0.1:29500"  # host:port where rank 0 listens for the group
+    ep_slots_per_rank: int = 0  # expert slots per rank; 0 = ceil(experts / ranks) + 1
+    moe_stats_interval: int = 1000  # steps between expert-load samples
+    moe_rebalance_interval: int = 10000  # steps between placements (0 = only on command)
+    moe_stats_window: int = 10  # samples the placement looks at
 
 
 @dataclass
@@ -43,4 +51,5 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
     api_key: str | None = None  # when set, requests need `Authorization: Bearer` or `x-api-key`
+    admin_socket: str | None = None  # Unix socket for live administration (mode 0600)
     max_waiting: int = 0  # answer 429 once this many requests wait for the engine (0 = off)

@@ -200,6 +200,16 @@ def check(s: Settings) -> None:
         TrafficClasses.from_specs(e.traffic_classes)
     except ValueError as err:
         raise ConfigError("engine.traffic_classes", str(err)) from None
+    if e.ep_size < 1 or not 0 <= e.ep_rank < e.ep_size:
+        raise ConfigError("engine.ep_rank", f"must lie in [0, ep_size={e.ep_size})")
+    host, _, port = e.ep_master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("engine.ep_master", f"{e.ep_master!r} is not host:port")
+    for key in ("ep_slots_per_rank", "moe_stats_interval", "moe_rebalance_interval"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"engine.{key}", "must not be negative")
+    if e.moe_stats_window < 1:
+        raise ConfigError("engine.moe_stats_window", "must be at least 1")
     if not 0 <= sv.port <= 65535:
         raise ConfigError("server.port", "must lie in [0, 65535]")
     for key in ("max_body_bytes", "shutdown_timeout"):

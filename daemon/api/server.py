@@ -16,6 +16,7 @@ from aiohttp import web
 from daemon import logging_setup
 from daemon.api import completions, conversations, metrics, models, tokenize
 from daemon.api.access import AccessLogger, echo_request_id, request_id_middleware
+from daemon.api.admin import start_admin
 from daemon.api.auth import auth_middleware
 from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
@@ -135,9 +136,19 @@ async def serve(settings: Settings) -> int:
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg)
     url = f"http://{server_cfg.host}:{bound_port(runner)}/v1"
+    admin = (
+        await start_admin(app[STATE], server_cfg.admin_socket) if server_cfg.admin_socket else None
+    )
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop())
-    log.info("serving", url=url, model=name, random_weight_demo=demo, systemd=notifier.enabled)
+    log.info(
+        "serving",
+        url=url,
+        model=name,
+        random_weight_demo=demo,
+        systemd=notifier.enabled,
+        admin_socket=server_cfg.admin_socket,
+    )
     notifier.ready(f"serving {name} at {url}")
     notifier.start_watchdog()
     status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
@@ -153,6 +164,9 @@ async def serve(settings: Settings) -> int:
     finally:
         status.cancel()
         signals.remove()
+        if admin is not None:
+            await admin.cleanup()
+            Path(server_cfg.admin_socket).unlink(missing_ok=True)
         await runner.cleanup()  # stops the engine, which flushes block-store writes
         await notifier.close()
     log.info("stopped")

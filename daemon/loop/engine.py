@@ -13,8 +13,8 @@ import itertools
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import structlog
 
@@ -56,6 +56,7 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         overlap: bool = True,
+        executor: Executor | None = None,
     ) -> None:
         self.runner = runner
         self.kv = kv
@@ -66,7 +67,9 @@ class Engine:
         self.overlap = overlap
         self.outputs = OutputProcessor(tokenizer, max_model_len)
         self.requests: dict[str, Request] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        # the device worker: one thread, steps in order (expert parallel: a LockstepExecutor)
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        self.moe: Any = None  # the MoE controller, for administration
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loads: set[asyncio.Task[None]] = set()  # block-store reads before admission
@@ -96,7 +99,7 @@ class Engine:
         self._task = self._sweep_task = None
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self._executor.shutdown, True)  # EP: until every rank stops
         store = self.scheduler.prefix.store if self.scheduler.prefix else None
         if store is not None:
             await store.flush()  # finished work is kept

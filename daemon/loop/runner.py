@@ -8,6 +8,7 @@ it from there, so step N+1 never waits for step N's output on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ class ModelRunner:
         self.cpu_threads = cpu_threads if device.type == "cpu" else 0
         self.device_module = torch.get_device_module(device) if device.type != "cpu" else None
         self.stream = self.device_module.Stream(device) if self.device_module else None
+        self.after_forward: Callable[[], None] | None = None  # e.g. MoE load statistics
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
@@ -224,6 +226,8 @@ class ModelRunner:
         hidden = self.model(
             input_ids, step.positions.to(dev, non_blocking=True), step.attention.to(dev), self.cache
         )
+        if self.after_forward is not None:
+            self.after_forward()
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
         if step.sampling is None:

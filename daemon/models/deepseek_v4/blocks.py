@@ -9,6 +9,7 @@ from torch import nn
 
 from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.rope import inv_freq_and_scaling
+from daemon.moe.ep import EPLayer
 
 
 class FP32RMSNorm(nn.Module):
@@ -200,22 +201,51 @@ class MoE(nn.Module):
             torch.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         )
         self.shared_experts = SharedExpert(cfg)
+        self.load: torch.Tensor | None = None  # routed (token, expert) pairs since last taken
+        self.track_load = True
+        self.ep: EPLayer | None = None  # set when the experts are spread over ranks
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         experts, weights = self.gate(x, input_ids)
-        out = torch.zeros_like(x)
         flat = experts.flatten()
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self._count(counts)
+        if self.ep is not None:
+            return self.ep.forward(x, experts, weights) + self.shared_experts(x)
+        out = torch.zeros_like(x)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // experts.shape[1]
         weight_of = weights.flatten()[order]
         begin = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             tokens = token_of[begin : begin + n]
-            h = clamped_swiglu(F.linear(x[tokens], self.gate_up_proj[e]), self.limit)
-            h = F.linear(h, self.down_proj[e]) * weight_of[begin : begin + n, None]
-            out.index_add_(0, tokens, h.to(out.dtype))
+            h = self.expert(x[tokens], self.gate_up_proj[e], self.down_proj[e])
+            out.index_add_(0, tokens, (h * weight_of[begin : begin + n, None]).to(out.dtype))
             begin += n
         return out + self.shared_experts(x)
+
+    def expert(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return F.linear(clamped_swiglu(F.linear(x, gate_up), self.limit), down)
+
+    def idle_step(self, hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Take part in the layer's exchange with no tokens of our own (expert parallel)."""
+        x = torch.empty(0, hidden_size, device=device, dtype=dtype)
+        k = self.gate.top_k
+        self.ep.forward(x, torch.empty(0, k, dtype=torch.long, device=device), x.new_empty(0, k))
+
+    def _count(self, counts: torch.Tensor) -> None:
+        if not self.track_load:
+            return
+        if self.load is None:
+            self.load = torch.zeros_like(counts)
+        self.load += counts
+
+    def take_load(self) -> torch.Tensor:
+        """Routed pairs per expert since the last call (and start counting again)."""
+        load = (
+            self.load if self.load is not None else torch.zeros(self.num_experts, dtype=torch.long)
+        )
+        self.load = torch.zeros_like(load)
+        return load

@@ -1,0 +1,133 @@
+"""The admin socket: a Unix-domain socket (mode 0600, so only the daemon's user and root can
+connect) served by aiohttp, for live operations: status, expert load, rebalance now, set the
+MoE intervals, drain and resume. `deepinfer admin ...` is its client."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from daemon.api.errors import ApiError, bad_request, error_middleware
+from daemon.api.params import get_int
+from daemon.api.state import ApiState
+
+routes = web.RouteTableDef()
+ADMIN: web.AppKey[ApiState] = web.AppKey("deepinfer_admin", ApiState)
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _moe(request: web.Request):
+    moe = request.app[ADMIN].engine.moe
+    if moe is None:
+        raise ApiError(409, "this model has no MoE layers", code="not_moe")
+    return moe
+
+
+@routes.get("/status")
+async def status(request: web.Request) -> web.Response:
+    state = request.app[ADMIN]
+    engine = state.engine
+    body = {
+        "model": state.served_name,
+        "draining": state.draining,
+        "engine_failed": engine.error is not None,
+    } | engine.stats()
+    if engine.moe is not None:
+        body["moe"] = engine.moe.status()
+    return _json(body)
+
+
+@routes.get("/expert-load")
+async def expert_load(request: web.Request) -> web.Response:
+    return _json(_moe(request).expert_load())
+
+
+@routes.post("/rebalance")
+async def rebalance(request: web.Request) -> web.Response:
+    moe = _moe(request)
+    if moe.ep is None or moe.ep.size == 1:
+        raise ApiError(
+            409, "nothing to rebalance: the experts are not spread over ranks", code="no_ep"
+        )
+    moe.request_rebalance()
+    return _json({"ok": True, "requested": True, "placement_version": moe.version})
+
+
+@routes.post("/intervals")
+async def intervals(request: web.Request) -> web.Response:
+    moe = _moe(request)
+    body = await _body(request)
+    unknown = set(body) - {"stats_interval", "rebalance_interval"}
+    if unknown:
+        raise bad_request(
+            f"unknown fields {sorted(unknown)}; use stats_interval, rebalance_interval"
+        )
+    stats = get_int(body, "stats_interval", lo=1)
+    every = get_int(body, "rebalance_interval", lo=0)
+    if stats is None and every is None:
+        raise bad_request("give stats_interval and/or rebalance_interval")
+    if moe.ep is not None and moe.ep.rank != 0:
+        raise ApiError(
+            409, "set the intervals on rank 0: it schedules the whole group", code="not_rank0"
+        )
+    moe.set_intervals(stats, every)
+    return _json(
+        {
+            "ok": True,
+            "stats_interval": moe.stats_interval,
+            "rebalance_interval": moe.rebalance_interval,
+        }
+    )
+
+
+@routes.post("/drain")
+async def drain(request: web.Request) -> web.Response:
+    state = request.app[ADMIN]
+    state.draining = True
+    return _json({"ok": True, "draining": True, "requests": len(state.engine.requests)})
+
+
+@routes.post("/resume")
+async def resume(request: web.Request) -> web.Response:
+    request.app[ADMIN].draining = False
+    return _json({"ok": True, "draining": False})
+
+
+async def _body(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def create_admin_app(state: ApiState) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
+    app[ADMIN] = state
+    app.router.add_routes(routes)
+    return app
+
+
+async def start_admin(state: ApiState, path: str) -> web.AppRunner:
+    """Serve the admin app on `path`; the socket is created mode 0600."""
+    sock = Path(path)
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    sock.unlink(missing_ok=True)  # left behind by a crash
+    runner = web.AppRunner(create_admin_app(state), access_log=None)
+    await runner.setup()
+    old = os.umask(0o177)  # no window in which others could connect
+    try:
+        await web.UnixSite(runner, path).start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return runner
