@@ -117,13 +117,9 @@ class BlockStore:
             return False
         data = memoryview(payload.numpy())
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        header = encode_header(self.fingerprint, key, data, traffic_class, time.time())
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(encode_header(self.fingerprint, key, data, traffic_class, time.time()))
-                f.write(data)
-                if self.fsync:
-                    os.fsync(f.fileno())
+            self._write_file(tmp, header, data)
             os.replace(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -137,6 +133,23 @@ class BlockStore:
                 self._writes_paused_until = 0.0
                 log.info("kv_store_writes_resumed", dir=str(self.dir))
         return True
+
+    def _write_file(self, path: Path, header: bytes, data: memoryview) -> None:
+        """One open and one writev (the fan-out directories are made on first need)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
+        try:
+            written = os.writev(fd, [header, data])
+            if written != len(header) + data.nbytes:  # a short write: the disk filled up
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def touch(self, keys: list[bytes]) -> None:
         """Mark blocks used (their retention restarts) without reading them."""
