@@ -1,4 +1,5 @@
-"""Command line: `deepinfer serve` runs the HTTP daemon, `deepinfer generate` runs prompts offline."""
+"""Command line: `deepinfer serve` runs the HTTP daemon, `deepinfer generate` runs prompts offline,
+`deepinfer bench serve` benchmarks a running server."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from daemon.benchmark.options import add_serve_arguments
 from daemon.config import EngineConfig, ServerConfig
 from daemon.logging_setup import setup_logging
 from daemon.paths import cache_dir
@@ -218,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file")
 
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve",
+        help="drive an OpenAI-compatible server over HTTP (like `vllm bench serve`): "
+        "throughput, TTFT/TPOT/ITL/E2E percentiles, goodput",
+    )
+    add_serve_arguments(bench_serve)
+
     admin = sub.add_parser("admin", help="talk to a running daemon's admin socket")
     admin.add_argument("--socket", required=True, help="the daemon's admin socket path")
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
@@ -233,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config":
         return _config_check(args.file)
+    if args.command == "bench":
+        from daemon.benchmark.serve import main as bench_serve
+
+        return bench_serve(args)
     if args.command == "admin":
         from daemon.admin_client import run_admin
 

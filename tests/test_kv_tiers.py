@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from daemon.build import build_engine
 from daemon.config import EngineConfig
 from daemon.loop.engine import Engine
-from daemon.loop.request import SamplingParams
+from daemon.loop.request import Request, SamplingParams
 from tests.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from tests.mounts import fill, tmpfs
 
@@ -171,3 +171,26 @@ async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
     assert answers(turns) == answers(expected)
     assert stats["kv_store_writes"] == 0
     assert len([e for e in logs if e["event"] == "kv_store_write_failed"]) == 1
+
+
+async def test_prefix_evicted_while_waiting_is_read_from_the_store(dense, tmp_path) -> None:
+    """Blocks that were on the device when a request arrived but were evicted before it was
+    admitted are read back from the store instead of recomputed."""
+    engine = await engine_for(dense, host_cache_memory_gb=0, kv_store_dir=str(tmp_path / "s"))
+    try:
+        prompt = list(range(2, 60))  # 3 reusable blocks of 16
+        await ask(engine, prompt)
+        prefix = engine.scheduler.prefix
+        await prefix.store.flush()
+        req = Request("late", prompt + [7, 8], ANSWER)
+        assert prefix.store_keys(req) == [] and req.store_checked == 3  # all on the device
+        assert engine.kv.grow("flood", engine.kv.capacity_tokens())  # evicts every cached block
+        engine.kv.free("flood")
+        fetch = prefix.admit(req)
+        assert fetch is not None and len(fetch) == 3
+        prefix.receive(req, fetch, await prefix.store.load_chain(fetch))
+        assert prefix.admit(req) is None
+        assert req.cache_hits == {"store": 3} and req.num_computed == 48
+        engine.kv.free("late")
+    finally:
+        await engine.stop()

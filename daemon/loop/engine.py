@@ -77,6 +77,7 @@ class Engine:
         self.sweep_interval_s = 300.0
         self._sweep_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        scheduler.load_blocks = self._start_load
         self.steps = 0
         self.error: BaseException | None = None
         self.observer: RequestObserver | None = None  # metrics
@@ -150,14 +151,17 @@ class Engine:
         prefix = self.scheduler.prefix
         store_keys = prefix.store_keys(req) if prefix is not None else []
         if store_keys:
-            req.status = RequestStatus.LOADING
-            task = asyncio.create_task(self._load_from_store(req, store_keys))
-            self._loads.add(task)
-            task.add_done_callback(self._loads.discard)
+            self._start_load(req, store_keys)
         else:
             self.scheduler.add(req)
             self._wakeup.set()
         return req
+
+    def _start_load(self, req: Request, keys: list[bytes]) -> None:
+        req.status = RequestStatus.LOADING
+        task = asyncio.create_task(self._load_from_store(req, keys))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
 
     async def _load_from_store(self, req: Request, keys: list[bytes]) -> None:
         """Read the request's blocks from the store while it (alone) waits; a failure is a miss."""

@@ -28,6 +28,7 @@ from daemon.kv.traffic import TrafficClasses
 from daemon.loop.request import Request
 
 POLICIES = ("replay", "exact")
+MAX_PROBES = 3  # store re-reads for one request whose in-memory prefix was evicted meanwhile
 TOUCH_EVERY_S = 3600.0  # refresh a device/host hit's store file at most this often
 _MAX_TOUCHED = 1 << 16
 
@@ -64,6 +65,7 @@ class BlockLoad:
 
     blocks: list[int]
     entry: HostBlock
+    tier: str  # where the payload came from: host or store
 
 
 @dataclass
@@ -129,11 +131,14 @@ class PrefixCache:
         n = 0
         while n < len(keys) and self._in_memory(keys[n]):
             n += 1
+        req.store_checked = n  # the keys before were in memory at this point
         return keys[n:]
 
     def receive(self, req: Request, keys: list[bytes], payloads: list) -> None:
         """Blocks the store had for the request: held for its admission, and in host memory."""
-        req.cache_lookups["store"] = len(payloads) + (1 if len(payloads) < len(keys) else 0)
+        if not req.cache_lookups.get("store"):
+            req.cache_lookups["store"] = len(payloads) + (1 if len(payloads) < len(keys) else 0)
+        req.store_checked += len(payloads)
         for key, payload in zip(keys, payloads):
             req.loaded[key] = payload
             if self.host is not None:
@@ -141,18 +146,24 @@ class PrefixCache:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def admit(self, req: Request) -> None:
-        """Called before a request's first step (new, or recomputing after preemption)."""
+    def admit(self, req: Request) -> list[bytes] | None:
+        """Called before a request's first step (new, or recomputing after preemption).
+        Returns keys to read from the block store first when blocks that were in memory when
+        the request arrived have been evicted while it waited; None once it is admitted."""
         keys = self._usable_keys(req)
         n = 0
         while n < len(keys) and (self._in_memory(keys[n]) or keys[n] in req.loaded):
             n += 1
+        if self.store is not None and n < req.store_checked and req.store_probes < MAX_PROBES:
+            req.store_probes += 1
+            req.store_checked = n
+            return keys[n:]
         first_admission = req.num_preemptions == 0
         if first_admission:
             on_device = sum(1 for k in keys[:n] if k in self.kv.cached)
             missed = 1 if n < len(keys) else 0
             req.cache_lookups["device"] = n + missed
-            req.cache_lookups["host"] = (n - on_device + missed) if self.host else 0
+            req.cache_lookups["host"] = (n - on_device + missed) if self.host is not None else 0
         snapshot = None
         if self.swa is not None and n:
             snapshot = self.swa.get(keys[n - 1])
@@ -175,7 +186,7 @@ class PrefixCache:
                 req.cached_tokens_by_tier[tier] = min(blocks * self.block, left)
                 left -= req.cached_tokens_by_tier[tier]
         if n == 0:
-            return
+            return None
         position = n * self.block
         req.num_computed = req.num_cached_tokens = position
         req.num_registered = n
@@ -185,6 +196,7 @@ class PrefixCache:
                 req.replay_until = position
                 req.replay_from = req.num_computed = position - min(self.window, position)
                 req.num_cached_tokens = req.num_computed
+        return None
 
     def _take(self, req: Request, keys: list[bytes]) -> Counter[str]:
         """Put the blocks of `keys` at the head of the request's tables, loading those that are
@@ -204,7 +216,7 @@ class PrefixCache:
             blocks = self.kv.adopt(req.request_id, key) if entry is not None else None
             if blocks is None:
                 break
-            self.ops.block_loads.append(BlockLoad(blocks, entry))
+            self.ops.block_loads.append(BlockLoad(blocks, entry, tier))
             self._loading.add(key)
             hits[tier] += 1
             if tier == "host":
@@ -238,7 +250,9 @@ class PrefixCache:
         for i in range(req.num_registered, full):
             blocks = self.kv.register(req.request_id, i, keys[i])
             if blocks is not None and persist is not None:
-                entry = self.host.reserve(keys[i], self.block_bytes) if self.host else None
+                entry = (
+                    self.host.reserve(keys[i], self.block_bytes) if self.host is not None else None
+                )
                 entry = entry or HostBlock(self.block_bytes)
                 self.ops.block_saves.append(BlockSave(keys[i], blocks, entry, persist))
         req.num_registered = full
@@ -296,7 +310,7 @@ class PrefixCache:
         """The worker ran `ops`: send the blocks worth keeping to the store."""
         host = self.stats.tiers["host"]
         host.bytes_written += self.block_bytes * len(ops.block_saves)
-        host.bytes_read += self.block_bytes * len(ops.block_loads)
+        host.bytes_read += self.block_bytes * sum(load.tier == "host" for load in ops.block_loads)
         if self.store is None:
             return
         for save in ops.block_saves:

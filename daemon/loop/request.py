@@ -135,6 +135,8 @@ class Request:
     pending_restore: Any = None  # a prefix.RestoreOp for the request's next first step
     traffic_class: str = "chat"  # block-store retention class
     loaded: dict[bytes, Any] = field(default_factory=dict)  # store payloads until admission
+    store_checked: int = 0  # leading usable blocks last known to be in memory or the store
+    store_probes: int = 0  # store re-reads at admission (the prefix was evicted meanwhile)
     cache_lookups: dict[str, int] = field(default_factory=dict)  # blocks, by tier
     cache_hits: dict[str, int] = field(default_factory=dict)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # prompt tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -57,6 +58,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        # the engine's block-store reader, for requests whose cached prefix went missing
+        self.load_blocks: Callable[[Request, list[bytes]], None] | None = None
 
     @property
     def has_work(self) -> bool:
@@ -114,7 +117,12 @@ class Scheduler:
                 i += 1  # preempted mid-flight: its last tokens are not on the host yet
                 continue
             if self.prefix is not None and req.num_computed == 0:
-                self.prefix.admit(req)
+                fetch = self.prefix.admit(req)
+                if fetch and self.load_blocks is not None:
+                    self.waiting.pop(i)
+                    req.status = RequestStatus.LOADING
+                    self.load_blocks(req, fetch)
+                    continue
             n = min(self._tokens_to_compute(req), budget)
             if not self.kv.grow(req.request_id, req.num_computed + n):
                 self.kv.free(req.request_id)  # gives back any prefix it took

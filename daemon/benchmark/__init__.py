@@ -1,0 +1,1 @@
+"""Serving benchmarks: `deepinfer bench serve` and the seeded traffic traces it replays."""
