@@ -27,9 +27,10 @@ class PrefillChunk:
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot written by each token
     num_decodes: int
-    decode_kv_index: torch.Tensor  # [B, Lmax] flat cache slots (padded)
-    decode_mask: torch.Tensor  # [B, 1, 1, Lmax] bool
+    decode_tables: torch.Tensor  # [B, max_blocks] block ids (padded with block 0)
+    decode_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
+    block_size: int = 16
 
     def to(self, device: torch.device) -> AttentionBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -38,12 +39,13 @@ class AttentionBatch:
         return AttentionBatch(
             slot_mapping=self.slot_mapping.to(device, non_blocking=True),
             num_decodes=self.num_decodes,
-            decode_kv_index=self.decode_kv_index.to(device, non_blocking=True),
+            decode_tables=self.decode_tables.to(device, non_blocking=True),
             decode_mask=self.decode_mask.to(device, non_blocking=True),
             prefills=[
                 PrefillChunk(p.q_start, p.q_len, move(p.kv_index), move(p.mask))
                 for p in self.prefills
             ],
+            block_size=self.block_size,
         )
 
 
@@ -108,6 +110,7 @@ def build_attention_batch(
         blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
         return blocks * block_size + pos % block_size
 
+    # Decodes gather whole blocks (an index per block, not per token: cheap to build).
     num_decodes = len(decode_ctx)
     lmax = max((n for _, n in decode_ctx), default=0)
     lens = torch.tensor([n for _, n in decode_ctx], dtype=torch.long)
@@ -115,9 +118,8 @@ def build_attention_batch(
     padded = [table[: -(-n // block_size)] for table, n in decode_ctx]
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in padded], dtype=torch.long)
     tables = tables.view(num_decodes, max_blocks)
-    pos = torch.arange(lmax)
-    decode_kv_index = tables[:, pos // block_size] * block_size + pos % block_size
-    decode_mask = (torch.arange(lmax)[None, :] < lens[:, None]).view(num_decodes, 1, 1, lmax)
+    width = max_blocks * block_size
+    decode_mask = (torch.arange(width)[None, :] < lens[:, None]).view(num_decodes, 1, 1, width)
 
     prefills = []
     for q_start, q_len, table, ctx in prefill_ctx:
@@ -130,9 +132,10 @@ def build_attention_batch(
     return AttentionBatch(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
         num_decodes=num_decodes,
-        decode_kv_index=decode_kv_index,
+        decode_tables=tables,
         decode_mask=decode_mask,
         prefills=prefills,
+        block_size=block_size,
     )
 
 
@@ -152,8 +155,13 @@ def paged_attention(
     gqa = q.shape[1] != k.shape[1]
     b = batch.num_decodes
     if b:
-        kd = k_cache[batch.decode_kv_index].transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache[batch.decode_kv_index].transpose(1, 2)
+        blocks = batch.decode_tables
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, Hkv, blocks * block_size, D]
+            paged = cache.view(-1, batch.block_size, *cache.shape[1:])
+            return paged[blocks].flatten(1, 2).transpose(1, 2)
+
+        kd, vd = gather(k_cache), gather(v_cache)
         qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
         o = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa
