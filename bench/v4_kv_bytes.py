@@ -1,8 +1,10 @@
 """KV bytes per token for the real DeepSeek-V4-Flash dimensions, from the engine's own KV specs:
 long-term block state (paged, per token) vs short-term state (per running request), and the
-raw cache a plain MQA of head_dim 512 would need. No weights needed.
+raw cache a plain MQA of head_dim 512 would need; then the block store's file bytes per token
+and the disk a retention window needs. No weights needed.
 
     python -m bench.v4_kv_bytes [--dtype bfloat16 --context 1048576]
+        [--ingest-tok-s 1e4 1e5 1e6 --days 1 3 7 --replicas 1 --fs-block 4096]
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 from tqdm import tqdm
 
 from daemon.kv.manager import KVManager
+from daemon.kv.store_format import HEADER_BYTES
+from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
 from daemon.models.deepseek_v4.cache import STATE, SWA, kv_groups, ring_size
 from daemon.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 
@@ -86,6 +90,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--context", type=int, default=1 << 20, help="context for amortised figures")
+    p.add_argument(
+        "--ingest-tok-s",
+        type=float,
+        nargs="+",
+        default=[1e4, 1e5, 1e6],
+        help="new (uncached) tokens per second written to the block store",
+    )
+    days = sorted({1.0, *(s / DAY for s in DEFAULT_RETENTION_S.values())})
+    p.add_argument("--days", type=float, nargs="+", default=days, help="retention windows")
+    p.add_argument("--replicas", type=int, default=1, help="copies the file system keeps")
+    p.add_argument("--fs-block", type=int, default=4096, help="file allocation unit, bytes")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     item = torch.empty((), dtype=dtype).element_size()
@@ -164,6 +179,56 @@ def main() -> None:
     width = max(len(r[0]) for r in rows)
     for label, value in rows:
         print(f"{label:<{width}}  {value:>14}")
+    print()
+    store_view(cfg, groups, mqa_kv, mqa_shared, args)
+
+
+def store_view(cfg: V4Config, groups: list, mqa_kv: int, mqa_shared: int, args) -> None:
+    """Block store: one file per prefix block = header + every paged group's block."""
+    paged = [g.spec for g in groups if not g.spec.per_request]
+    (block,) = {s.block_size for s in paged}
+    payload = sum(s.bytes_per_block for s in paged)
+    file_bytes = payload + HEADER_BYTES
+    unit = args.fs_block
+    allocated = -(-file_bytes // unit) * unit
+    per_token = file_bytes / block
+    on_disk = allocated * args.replicas / block
+    rows = [
+        (f"block store file per {block}-token block: payload (paged groups)", f"{payload:,} B"),
+        ("  + header", f"{HEADER_BYTES} B"),
+        ("  = file", f"{file_bytes:,} B"),
+        (f"  allocated in {unit:,} B units", f"{allocated:,} B"),
+        ("store bytes per token (file / block)", f"{per_token:,.1f} B"),
+        (f"  on disk ({unit:,} B units, {args.replicas} replica(s))", f"{on_disk:,.1f} B"),
+        ("raw KV per token, every layer full attention, K=V (MQA 512)", f"{mqa_shared:,} B"),
+        ("raw KV per token, every layer full attention, K and V", f"{mqa_kv:,} B"),
+        ("ratio raw (K=V) / store", f"{mqa_shared / per_token:.2f}x"),
+        ("ratio raw (K+V) / store", f"{mqa_kv / per_token:.2f}x"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value:>14}")
+
+    def tb(bytes_per_token: float, rate: float, days: float) -> float:
+        return bytes_per_token * rate * days * DAY / 1e12
+
+    print(
+        "\nstore size to keep N days of new tokens, TB (1e12 B): on disk as above, "
+        "(raw K=V in brackets)"
+    )
+    head = f"{'new tokens/s':>14}" + "".join(f"{f'{d:g} d':>20}" for d in args.days)
+    print(head)
+    for rate in args.ingest_tok_s:
+        cells = "".join(
+            f"{f'{tb(on_disk, rate, d):,.1f} ({tb(mqa_shared, rate, d):,.0f})':>20}"
+            for d in args.days
+        )
+        print(f"{rate:>14,.0f}{cells}")
+    print(
+        "assumes: every new token is stored once, in full blocks (a prompt's last partial block "
+        "is not stored); nothing is re-read in the window (a hit refreshes a block's retention "
+        "without adding bytes); the SWA snapshots stay in host memory (not in the store)"
+    )
 
 
 if __name__ == "__main__":
