@@ -32,6 +32,7 @@ class SWACache:
         if nbytes > self.max_bytes:
             return None
         self.discard(key)
+        self._drop_expired()
         while self.bytes + nbytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
             self.bytes -= old.nbytes
@@ -51,6 +52,15 @@ class SWACache:
         self.hits += 1
         self.entries.move_to_end(key)
         return snap
+
+    def _drop_expired(self) -> None:
+        """Expired snapshots at the old end go, so memory follows the TTL, not the budget."""
+        now = time.monotonic()
+        while self.entries:
+            key, snap = next(iter(self.entries.items()))
+            if snap.expires >= now:
+                return
+            self.discard(key)
 
     def discard(self, key: bytes) -> None:
         snap = self.entries.pop(key, None)
