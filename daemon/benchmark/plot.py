@@ -64,7 +64,7 @@ def plot(runs: list[PlotRun], path: str | Path, title: str = "") -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     ax = axes.flat[3]
     for run in runs:
         xs = list(range(len(run.tokens_per_s)))
@@ -74,7 +74,7 @@ def plot(runs: list[PlotRun], path: str | Path, title: str = "") -> None:
     ax.set_title("output throughput over time (the last bin is partial)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -88,11 +88,14 @@ def main() -> None:
     ap.add_argument("results", nargs="+", help="--result-json files of `deepinfer bench serve`")
     ap.add_argument("-o", "--output", required=True, help="PNG path")
     ap.add_argument("--title", default="")
+    ap.add_argument("--labels", nargs="+", default=None, help="one per file (default: its label)")
     args = ap.parse_args()
+    if args.labels and len(args.labels) != len(args.results):
+        ap.error("--labels needs one label per result file")
     runs = []
-    for file in args.results:
+    for i, file in enumerate(args.results):
         data = json.loads(Path(file).read_text())
-        label = data["config"].get("label") or Path(file).stem
+        label = args.labels[i] if args.labels else data["config"].get("label") or Path(file).stem
         runs.append(from_records(label, data["requests"]))
     plot(runs, args.output, args.title)
     print(f"wrote {args.output}")
