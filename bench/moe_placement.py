@@ -6,8 +6,11 @@ cluster (384 experts, 64 ranks, 7 slots per rank), with drifting expert populari
 Each layer's expert popularity is Zipf(s) over a permutation of the experts that random-walks
 (adjacent swaps in popularity order, `--drift` rank steps per expert per 1000 steps). A step
 routes ranks x tokens-per-rank x top-k assignments, drawn multinomially. Load statistics are
-sampled every `--sample-every` steps into a moving window of `--window` samples; every
-`--rebalance-every` steps each policy re-places from that window. Every sample period keeps
+sampled every `--sample-every` steps into a moving window of `--window` samples (a
+`daemon.moe.stats.LoadWindow`, which also keeps the drift statistics); every
+`--rebalance-every` steps each policy re-places from that window. `--drift-kind ou` replaces the
+swaps by continuous drift: every expert's log-popularity is an Ornstein-Uhlenbeck process
+(`--ou-sigma` stationary std, `--ou-rho` correlation per 1000 steps). Every sample period keeps
 `--measure-steps` steps drawn exactly like the others (not all 1000, for time) and measures each
 policy's max/mean rank load on those actual steps, so stale statistics are penalised. Before the
 first rebalance all policies run the static layout; those steps are not measured.
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from daemon.moe.eplb_reference import eplb_global, eplb_hierarchical
 from daemon.moe.placement import (
@@ -32,11 +36,13 @@ from daemon.moe.placement import (
     hot_replica_placement,
     moved_slots,
     rank_share,
+    robust_placement,
     static_placement,
 )
+from daemon.moe.stats import LoadWindow, SwapModel
 
-# (window load, true popularity now, previous placement) -> placement
-PlaceFn = Callable[[np.ndarray, np.ndarray, Placement], Placement]
+# (window load, true popularity now, previous placement, the load window) -> placement
+PlaceFn = Callable[[np.ndarray, np.ndarray, Placement, LoadWindow], Placement]
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Tally:
     drift_tv: list[float] = field(default_factory=list)
     moved: list[int] = field(default_factory=list)
     place_s: list[float] = field(default_factory=list)
+    swap_model: SwapModel | None = None  # the drift LoadWindow fitted, at the end
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--drift", type=float, default=0.05, help="popularity-rank steps per expert per 1000 steps"
     )
+    ap.add_argument("--drift-kind", choices=["swaps", "ou"], default="swaps")
+    ap.add_argument("--ou-sigma", type=float, default=0.3, help="ou: stationary log-load std")
+    ap.add_argument("--ou-rho", type=float, default=0.99, help="ou: correlation per 1000 steps")
     ap.add_argument(
         "--measure-steps", type=int, default=200, help="measured steps per sample period"
     )
@@ -95,6 +105,25 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=0.01,
         help="ours: relative slack on the busiest rank allowed to keep experts put",
+    )
+    ap.add_argument("--scenarios", type=int, default=32, help="robust: drift scenarios")
+    ap.add_argument(
+        "--sharpness", type=float, default=60.0, help="robust: soft-max sharpness (1/rank mean)"
+    )
+    ap.add_argument(
+        "--move-cost",
+        type=float,
+        default=5e-5,
+        help="robust: gain (rank-mean units) a swap needs per slot it moves",
+    )
+    ap.add_argument(
+        "--drift-memory", type=float, default=100.0, help="robust: swap statistics memory, samples"
+    )
+    ap.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also: ours on the latest sample, robust with the drift fitted on the window only, "
+        "robust without move cost",
     )
     ap.add_argument("--no-oracle", action="store_true", help="skip the oracle policy")
     ap.add_argument("--seed", type=int, default=0)
@@ -107,22 +136,58 @@ def make_policies(args: argparse.Namespace) -> list[Policy]:
     e, r, s = args.experts, args.ranks, args.slots
     static = static_placement(e, r, s)
     tol = args.keep_tolerance
+    horizon = args.rebalance_every / args.sample_every
+
+    def robust(
+        win: LoadWindow, prev: Placement, window_fit: bool = False, move_cost: float | None = None
+    ) -> Placement:
+        return robust_placement(
+            win.samples(0),
+            r,
+            s,
+            prev,
+            drift=None if window_fit else win.swap_model(0),
+            horizon=horizon,
+            scenarios=args.scenarios,
+            sharpness=args.sharpness,
+            move_cost=args.move_cost if move_cost is None else move_cost,
+        )
+
     policies = [
-        Policy("static (no replicas)", lambda w, p, prev: static),
-        Policy("ours", lambda w, p, prev: balanced_placement(w, r, s, prev, keep_tolerance=tol)),
-        Policy("ours, from scratch", lambda w, p, prev: balanced_placement(w, r, s)),
-        Policy("EPLB global", lambda w, p, prev: eplb_global(w, r, s)),
+        Policy("static (no replicas)", lambda w, p, prev, win: static),
+        Policy(
+            "ours", lambda w, p, prev, win: balanced_placement(w, r, s, prev, keep_tolerance=tol)
+        ),
+        Policy("ours, robust to drift", lambda w, p, prev, win: robust(win, prev)),
+        Policy("ours, from scratch", lambda w, p, prev, win: balanced_placement(w, r, s)),
+        Policy("EPLB global", lambda w, p, prev, win: eplb_global(w, r, s)),
         Policy(
             f"EPLB hier. {args.nodes}n/{args.groups}g",
-            lambda w, p, prev: eplb_hierarchical(w, r, s, args.groups, args.nodes),
+            lambda w, p, prev, win: eplb_hierarchical(w, r, s, args.groups, args.nodes),
         ),
-        Policy("static + hot replicas", lambda w, p, prev: hot_replica_placement(w, static)),
+        Policy("static + hot replicas", lambda w, p, prev, win: hot_replica_placement(w, static)),
     ]
+    if args.ablations:
+        policies[3:3] = [
+            Policy(
+                "ours, latest sample",
+                lambda w, p, prev, win: balanced_placement(
+                    win.samples(0)[-1], r, s, prev, keep_tolerance=tol
+                ),
+            ),
+            Policy(
+                "robust, drift fit on window",
+                lambda w, p, prev, win: robust(win, prev, window_fit=True),
+            ),
+            Policy(
+                "robust, no move cost", lambda w, p, prev, win: robust(win, prev, move_cost=0.0)
+            ),
+        ]
     if not args.no_oracle:
         policies.append(
             Policy(
                 "oracle (true p, every sample)",
-                lambda w, p, prev: balanced_placement(p, r, s),
+                lambda w, p, prev, win: balanced_placement(p, r, s),
                 every_sample=True,
             )
         )
@@ -141,6 +206,10 @@ def simulate_layer(
     rebalance = args.rebalance_every // args.sample_every
     swaps = round(args.drift * n / 2 * args.sample_every / 1000)
     history: deque[np.ndarray] = deque(maxlen=args.window)
+    win = LoadWindow(args.window, args.drift_memory)
+    log_p = np.empty(n)
+    log_p[order] = np.log(popularity)
+    ou = rng.normal(0.0, args.ou_sigma, n) if args.drift_kind == "ou" else None
     start = static_placement(n, args.ranks, args.slots)
     current = {p.name: start for p in policies}
     shares = {p.name: rank_share(start, n) for p in policies}
@@ -157,17 +226,22 @@ def simulate_layer(
 
     def place(policy: Policy, w: np.ndarray, p: np.ndarray) -> None:
         t = time.perf_counter()
-        new = policy.place(w, p, current[policy.name])
+        new = policy.place(w, p, current[policy.name], win)
         tally = tallies[policy.name]
         tally.place_s.append(time.perf_counter() - t)
         tally.moved.append(moved_slots(current[policy.name], new))
         current[policy.name], shares[policy.name] = new, rank_share(new, n)
 
     for k in range(periods):
-        for i in rng.integers(0, n - 1, swaps):
-            order[i], order[i + 1] = order[i + 1], order[i]
-        p = np.empty(n)
-        p[order] = popularity
+        if ou is not None:
+            rho = args.ou_rho ** (args.sample_every / 1000)
+            ou = rho * ou + np.sqrt(1 - rho**2) * args.ou_sigma * rng.normal(size=n)
+            p = np.exp(log_p + ou)
+        else:
+            for i in rng.integers(0, n - 1, swaps):
+                order[i], order[i + 1] = order[i + 1], order[i]
+            p = np.empty(n)
+            p[order] = popularity
         p /= p.sum()
         if k >= rebalance:
             counts = rng.multinomial(per_step, p, size=args.measure_steps).astype(np.float64)
@@ -180,6 +254,7 @@ def simulate_layer(
                 tally.step_mean.append(loads.mean(1))
                 tally.window_ratio.append(float((loads.max(1) / loads.mean(1)).mean()))
         history.append(rng.multinomial(per_step * args.sample_every, p))
+        win.add(torch.from_numpy(history[-1][None]))
         if (k + 1) % rebalance == 0:
             if last_p is not None:
                 tallies[policies[0].name].drift_tv.append(0.5 * float(np.abs(p - last_p).sum()))
@@ -188,6 +263,7 @@ def simulate_layer(
             for policy in policies:
                 if not policy.every_sample:
                     place(policy, window, p)
+    tallies[policies[0].name].swap_model = win.swap_model(0)
     return tallies
 
 
@@ -216,9 +292,14 @@ def summarise(policies: list[Policy], layers: list[dict[str, Tally]]) -> dict[st
 
 def print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
     slots = args.ranks * args.slots
+    drift = (
+        f"OU drift sigma {args.ou_sigma} rho {args.ou_rho}"
+        if args.drift_kind == "ou"
+        else f"drift {args.drift}"
+    )
     print(
         f"\n{args.experts} experts, {args.ranks} ranks x {args.slots} slots, "
-        f"{args.steps} steps, Zipf {args.zipf}, drift {args.drift}, "
+        f"{args.steps} steps, Zipf {args.zipf}, {drift}, "
         f"{args.ranks * args.tokens_per_rank * args.top_k} assignments/step, "
         f"window {args.window} x {args.sample_every} steps, rebalance every "
         f"{args.rebalance_every}"
@@ -240,19 +321,30 @@ def print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 
 def time_ours(args: argparse.Namespace, reps: int = 5) -> dict[str, float]:
-    """Our placement for one layer: from scratch, and re-placing after a small drift."""
+    """Our placements for one layer: from scratch, and re-placing after a small drift (robust:
+    from a window of 10 samples, the seed cadence's drift model)."""
     rng = np.random.default_rng(args.seed)
-    n = args.experts
+    n, r, s = args.experts, args.ranks, args.slots
     load = (1.0 / np.arange(1, n + 1) ** max(args.zipf))[rng.permutation(n)]
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        prev = balanced_placement(load, args.ranks, args.slots)
-    t1 = time.perf_counter()
-    for _ in range(reps):
-        drifted = load * np.exp(rng.normal(0.0, 0.05, n))
-        balanced_placement(drifted, args.ranks, args.slots, prev)
-    t2 = time.perf_counter()
-    return {"scratch_ms": 1e3 * (t1 - t0) / reps, "with_previous_ms": 1e3 * (t2 - t1) / reps}
+    per_sample = r * args.tokens_per_rank * args.top_k * args.sample_every
+    samples = rng.multinomial(per_sample, load / load.sum(), size=10).astype(np.float64)
+    drift = SwapModel(0.02)
+    horizon = args.rebalance_every / args.sample_every
+    out = {}
+    for name, place in (
+        ("", lambda w, prev: balanced_placement(w[-1], r, s, prev)),
+        ("robust_", lambda w, prev: robust_placement(w, r, s, prev, drift=drift, horizon=horizon)),
+    ):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            prev = place(samples, None)
+        t1 = time.perf_counter()
+        for _ in range(reps):
+            place(samples * np.exp(rng.normal(0.0, 0.05, n)), prev)
+        t2 = time.perf_counter()
+        out[f"{name}scratch_ms"] = 1e3 * (t1 - t0) / reps
+        out[f"{name}with_previous_ms"] = 1e3 * (t2 - t1) / reps
+    return out
 
 
 def plot(path: str, args: argparse.Namespace, results: dict[str, Any]) -> None:
@@ -295,15 +387,34 @@ def main() -> None:
     )
     timing = time_ours(args)
     print(
-        f"\nours, one layer {args.experts}/{args.ranks}/{args.slots}: "
-        f"{timing['scratch_ms']:.1f} ms from scratch, "
-        f"{timing['with_previous_ms']:.1f} ms with a previous placement"
+        "drift fitted by LoadWindow.swap_model (swap probability per sample interval of equal "
+        "neighbours, log-gap scale): "
+        + "  ".join(
+            f"{m.flip:.4f}/{m.scale:.3g}"
+            for m in (layer[policies[0].name].swap_model for layer in layers)
+            if m is not None
+        )
     )
+    print()
+    for name, label in (("", "ours"), ("robust_", "ours, robust")):
+        print(
+            f"{label}, one layer {args.experts}/{args.ranks}/{args.slots}: "
+            f"{timing[name + 'scratch_ms']:.1f} ms from scratch, "
+            f"{timing[name + 'with_previous_ms']:.1f} ms with a previous placement"
+        )
     print(f"simulation wall time {time.perf_counter() - t:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"args": vars(args), "results": results, "timing": timing, "drift_tv": drift_tv},
+                {
+                    "args": vars(args),
+                    "results": results,
+                    "timing": timing,
+                    "drift_tv": drift_tv,
+                    "swap_models": [
+                        vars(layer[policies[0].name].swap_model or SwapModel()) for layer in layers
+                    ],
+                },
                 f,
                 indent=1,
             )

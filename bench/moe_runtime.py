@@ -1,7 +1,7 @@
 """MoE runtime costs on the small random DeepSeek-V4 of bench.v4_throughput (16 experts):
-(1) expert-load statistics on the decode step: the same decode run with statistics on
-(sampled every step, the worst case) and off, alternating, median ratio; (2) the time to
-apply a live rebalance on a real 2-process gloo expert-parallel group.
+(1) expert-load statistics on the decode step: the same decode run with statistics off, at
+the default interval (1000 steps) and sampled every step (the worst case), in rotating order,
+median ratios; (2) the time to apply a live rebalance on a real 2-process gloo EP group.
 
     python -m bench.moe_runtime [--batch 16 --tokens 48 --repeats 5 --ranks 2]
 """
@@ -47,19 +47,22 @@ async def stats_cost(checkpoint: Path, batch: int, tokens: int, repeats: int) ->
     cfg = EngineConfig(model=str(checkpoint), kv_cache_memory_gb=0.5, prefix_caching=False)
     engine, _ = build_engine(cfg)
     await engine.start()
-    on, off = [], []
+    modes = {"off": 0, "default": 1000, "every step": 1}
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
     try:
         await _decode_seconds(engine, batch, 4, 0)  # warm-up
-        for r in tqdm(range(repeats), desc="stats on/off"):
-            for enabled, out in (
-                ((True, on), (False, off)) if r % 2 == 0 else ((False, off), (True, on))
-            ):
-                engine.moe.set_intervals(1 if enabled else 0, 0)
-                out.append(await _decode_seconds(engine, batch, tokens, 100 + r))
+        for r in tqdm(range(repeats), desc="statistics off / default / every step"):
+            order = list(modes)[r % 3 :] + list(modes)[: r % 3]
+            for mode in order:
+                engine.moe.set_intervals(modes[mode], 0)
+                seconds[mode].append(await _decode_seconds(engine, batch, tokens, 100 + r))
     finally:
         await engine.stop()
-    ratio = statistics.median(a / b for a, b in zip(on, off))
-    return {"on_s": statistics.median(on), "off_s": statistics.median(off), "ratio": ratio}
+    off = seconds["off"]
+    return {
+        mode: (statistics.median(s), statistics.median(a / b for a, b in zip(s, off)))
+        for mode, s in seconds.items()
+    }
 
 
 def _rank(checkpoint: str, size: int, rank: int, port: int, queue) -> None:
@@ -129,11 +132,11 @@ def main() -> None:
         cost = asyncio.run(stats_cost(checkpoint, args.batch, args.tokens, args.repeats))
         rebalance = rebalance_time(checkpoint, args.ranks)
     print(machine())
-    print(
-        f"statistics every step: {cost['on_s']:.2f} s vs off {cost['off_s']:.2f} s for "
-        f"{args.batch} x {args.tokens} decode tokens: ratio {cost['ratio']:.4f} "
-        f"({(cost['ratio'] - 1) * 100:+.2f} %, median of {args.repeats})"
-    )
+    print(f"decode of {args.batch} x {args.tokens} tokens, median of {args.repeats}:")
+    for mode, (secs, ratio) in cost.items():
+        print(
+            f"  statistics {mode:>10}: {secs:.2f} s  ratio to off {ratio:.4f} ({(ratio - 1) * 100:+.2f} %)"
+        )
     print(
         f"live rebalance over {rebalance['ranks']} gloo ranks: {rebalance['seconds'] * 1000:.1f} ms, "
         f"{rebalance['moved_slots']} slots moved ({rebalance['moe_layers']} MoE layers, "

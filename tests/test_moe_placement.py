@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from daemon.moe import packing
 from daemon.moe.eplb_reference import eplb_global, eplb_hierarchical, eplb_placement
 from daemon.moe.placement import (
     EMPTY,
@@ -16,8 +19,11 @@ from daemon.moe.placement import (
     imbalance,
     moved_slots,
     rank_loads,
+    rank_share,
+    robust_placement,
     static_placement,
 )
+from daemon.moe.stats import LoadWindow, SwapModel, drift_scenarios, recent_load
 
 # (experts, ranks, slots per rank, EPLB groups, EPLB nodes)
 SHAPES = [
@@ -188,3 +194,165 @@ def test_eplb_hierarchical_keeps_groups_on_one_node() -> None:
     assert eplb_placement(load, 64, 7, num_groups=3, num_nodes=2) == eplb_global(load, 64, 7)
     with pytest.raises(ValueError):
         eplb_hierarchical(load, 64, 7, num_groups=5, num_nodes=5)
+
+
+# ---- robust to drift --------------------------------------------------------------------------
+
+
+def swap_drift(
+    n: int, s: float, rate: float, intervals: int, seed: int, per_interval: float = 1e8
+) -> np.ndarray:
+    """[intervals, n] counts of Zipf(s) popularity whose order random-walks: each adjacent
+    pair swaps at `rate` per interval (the bench's drift)."""
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, n + 1) ** s
+    order = rng.permutation(n)
+    out = []
+    for _ in range(intervals):
+        for i in rng.integers(0, n - 1, rng.poisson(rate * (n - 1))):
+            order[i], order[i + 1] = order[i + 1], order[i]
+        p = np.empty(n)
+        p[order] = popularity
+        out.append(rng.multinomial(int(per_interval), p / p.sum()))
+    return np.asarray(out, dtype=np.float64)
+
+
+def continuous_drift(n: int, s: float, intervals: int, seed: int) -> np.ndarray:
+    """[intervals, n] counts whose log-popularity moves a little every interval (OU)."""
+    rng = np.random.default_rng(seed)
+    base = np.log(1.0 / np.arange(1, n + 1) ** s)[rng.permutation(n)]
+    y = rng.normal(0.0, 0.3, n)
+    out = []
+    for _ in range(intervals):
+        y = 0.99 * y + np.sqrt(1 - 0.99**2) * 0.3 * rng.normal(size=n)
+        p = np.exp(base + y)
+        out.append(rng.multinomial(100_000_000, p / p.sum()))
+    return np.asarray(out, dtype=np.float64)
+
+
+def test_swap_model_tells_rank_swaps_from_continuous_drift() -> None:
+    swaps = SwapModel.from_samples(swap_drift(384, 1.0, 0.05, 60, 0))
+    # swapped an odd number of times in one interval: (1 - exp(-0.1)) / 2 = 0.048
+    assert swaps.scale == np.inf
+    assert 0.035 < swaps.flip < 0.06
+    rates = swaps.swap_rates(np.sort(zipf_load(384, 1.0, 0))[::-1])
+    assert rates == pytest.approx(np.full(383, 0.05), rel=0.3)
+    # continuous drift: near-equal neighbours trade places, the hottest experts keep theirs
+    cont = SwapModel.from_samples(continuous_drift(384, 1.0, 60, 0))
+    assert cont.scale < 0.2
+    curve = 1.0 / np.arange(1, 385)
+    rates = cont.swap_rates(curve)
+    assert rates[0] < 1e-3 < rates[-1]
+    # no drift, one interval, nothing routed: no swaps
+    still = np.tile(zipf_load(384, 1.0, 0) * 1000, (5, 1))
+    assert SwapModel.from_samples(still) == SwapModel()
+    assert SwapModel.from_samples(still[:1]) == SwapModel()
+    assert SwapModel.from_samples(np.zeros((3, 8))) == SwapModel()
+
+
+def test_drift_scenarios_move_experts_along_the_load_curve() -> None:
+    load = zipf_load(384, 1.0, 0)
+    assert np.array_equal(drift_scenarios(load, SwapModel(), 10, 4), np.tile(load, (4, 1)))
+    futures = drift_scenarios(load, SwapModel(0.05), 10, 32)
+    assert futures.shape == (32, 384)
+    assert np.array_equal(np.sort(futures, 1), np.tile(np.sort(load), (32, 1)))  # permutations
+    assert np.array_equal(futures, drift_scenarios(load, SwapModel(0.05), 10, 32))  # seeded
+    changed = (futures != load).sum(1)
+    assert changed[-8:].mean() > changed[:8].mean() > 0  # further ahead, more drift
+    # common random numbers: a slightly higher rate keeps most of the same swaps
+    other = drift_scenarios(load, SwapModel(0.055), 10, 32)
+    assert ((other != futures).sum(1) < changed).mean() > 0.5
+    # gap-dependent: experts far apart in load never trade places
+    far = 10.0 ** -np.arange(8.0)
+    assert np.array_equal(drift_scenarios(far, SwapModel(0.4, 0.01), 10, 8), np.tile(far, (8, 1)))
+
+
+def test_load_window_keeps_drift_statistics_beyond_the_window() -> None:
+    counts = swap_drift(64, 1.0, 0.1, 12, 3, per_interval=1e7)
+    two_layers = np.stack([counts, counts[:, ::-1]], 1)  # [intervals, layers, experts]
+    window = LoadWindow(4)
+    assert window.swap_model(0) == SwapModel()
+    for c in two_layers:
+        window.add(torch.from_numpy(c))
+    assert window.samples(1).shape == (4, 64)
+    assert np.array_equal(window.samples(0), counts[-4:])
+    assert np.array_equal(window.samples(1), counts[-4:, ::-1])
+    assert window.swap_model(0) == window.swap_model(1)
+    assert window.swap_model(0).flip > 0
+    # the statistics of all 11 transitions (fading), not only the window's 3
+    assert window._swaps is not None and window._swaps[0, 0].sum() > 3 * 63
+    assert np.array_equal(recent_load(counts), counts[-1])
+    idle = np.vstack([counts[:2], np.zeros((1, 64))])
+    assert np.array_equal(recent_load(idle), counts[1])  # the last interval with load
+    assert recent_load(counts[-2:], half_life=1.0) == pytest.approx(0.5 * counts[-2] + counts[-1])
+
+
+def test_scenario_search_lowers_the_expected_soft_max() -> None:
+    load = zipf_load(64, 1.0, 5)
+    futures = drift_scenarios(load / load.sum() * 8, SwapModel(0.1), 10, 16)
+    counts = packing.replica_counts(futures.max(0), 80, max_per_expert=8)
+    per = futures / counts
+    start = packing.greedy_pack(per.mean(0), counts, 8, 10)
+    found = packing.scenario_search(start, per, 60.0)
+    assert packing.soft_max_load(found, per, 60.0) < packing.soft_max_load(start, per, 60.0)
+    assert np.array_equal(np.sort(found, None), np.sort(start, None))  # same replicas
+    assert no_duplicates_on_a_rank(Placement(8, 10, found.reshape(-1).tolist()))
+    # moving costs more than any gain: nothing moves
+    kept = packing.scenario_search(start, per, 60.0, previous=start, move_cost=1.0)
+    assert np.array_equal(kept, start)
+
+
+def test_robust_without_drift_is_the_nominal_balance() -> None:
+    for s in (0.5, 1.0):
+        load = zipf_load(384, s, 0)
+        samples = np.tile(load, (3, 1))
+        pl = robust_placement(samples, 64, 7)
+        check_layout(pl, 384, 64, 7)
+        assert no_duplicates_on_a_rank(pl)
+        assert sum(pl.replica_counts) == 64 * 7
+        assert imbalance(pl, load) < 1.005
+        assert moved_slots(pl, robust_placement(samples, 64, 7, pl)) == 0
+    for experts, ranks, slots, _, _ in SHAPES:
+        load = zipf_load(experts, 1.0, 1)
+        pl = robust_placement(load[None], ranks, slots, drift=SwapModel(0.1))
+        check_layout(pl, experts, ranks, slots)
+        again = robust_placement(load[None] * 1.1, ranks, slots, pl, drift=SwapModel(0.1))
+        check_layout(again, experts, ranks, slots)
+    with pytest.raises(ValueError, match="intervals"):
+        robust_placement(zipf_load(384, 1.0, 0), 64, 7)
+    with pytest.raises(ValueError, match="non-negative"):
+        robust_placement(-np.ones((2, 384)), 64, 7)
+    with pytest.raises(ValueError, match="shape"):
+        robust_placement(np.ones((1, 384)), 64, 7, static_placement(384, 96, 5))
+
+
+def test_robust_placement_hedges_against_drift() -> None:
+    """On futures it has not seen (other draws of the same drift), the robust placement's
+    expected busiest rank is lower than the nominal balance's, and it stays close on the
+    current load."""
+    for s in (0.8, 1.0):
+        samples = swap_drift(384, s, 0.025, 10, 7, per_interval=1.3e8)
+        load = samples[-1]
+        model = SwapModel(0.025)
+        robust = robust_placement(samples, 64, 7, drift=model)
+        nominal = balanced_placement(load, 64, 7)
+        futures = drift_scenarios(load, model, 10, 256, seed=99)
+
+        def busiest(pl: Placement, futures: np.ndarray = futures) -> float:
+            loads = futures @ rank_share(pl, 384)
+            return float((loads.max(1) / loads.mean(1)).mean())
+
+        assert busiest(robust) < busiest(nominal) - 0.015
+        assert imbalance(robust, load) < 1.1
+
+
+def test_robust_placement_keeps_moves_low() -> None:
+    samples = swap_drift(384, 1.0, 0.025, 20, 11, per_interval=1.3e8)
+    model = SwapModel.from_samples(samples)
+    prev = robust_placement(samples[:10], 64, 7, drift=model)
+    t = time.perf_counter()
+    kept = robust_placement(samples[10:], 64, 7, prev, drift=model)
+    assert time.perf_counter() - t < 2.0  # ~40 ms on one core
+    check_layout(kept, 384, 64, 7)
+    scratch = robust_placement(samples[10:], 64, 7, drift=model)
+    assert moved_slots(prev, kept) < 0.3 * moved_slots(prev, scratch)

@@ -19,7 +19,14 @@ import torch
 import torch.distributed as dist
 
 from daemon.moe.ep import EPGroup, EPLayer, ExpertSlots
-from daemon.moe.placement import EMPTY, Placement, balanced_placement, imbalance, rank_loads
+from daemon.moe.placement import (
+    EMPTY,
+    Placement,
+    balanced_placement,
+    imbalance,
+    rank_loads,
+    robust_placement,
+)
 from daemon.moe.stats import LoadWindow
 from daemon.moe.weights import move_expert_weights
 
@@ -117,10 +124,18 @@ class MoEController:
         if self.ep is None or self.ep.size == 1 or load is None:
             return
         start = time.perf_counter()
+        # rank 0 places, hedging against the drift the window has seen until the next rebalance
+        every, sampled = self.rebalance_interval, self.stats_interval
+        horizon = every / sampled if every and sampled else 1.0
         table = torch.tensor(
             [
-                balanced_placement(
-                    load[i].numpy(), self.ep.size, self.slots_per_rank, old
+                robust_placement(
+                    self.window.samples(i),
+                    self.ep.size,
+                    self.slots_per_rank,
+                    old,
+                    drift=self.window.swap_model(i),
+                    horizon=horizon,
                 ).phys_to_logical
                 for i, old in enumerate(self.placements)
             ]

@@ -180,3 +180,81 @@ def _rank_counts(table: np.ndarray, n: int) -> np.ndarray:
     counts = np.zeros((table.shape[0], n + 1), dtype=np.int64)
     np.add.at(counts, (np.arange(table.shape[0])[:, None], table), 1)
     return counts[:, :n]
+
+
+def soft_max_load(table: np.ndarray, per_replica: np.ndarray, sharpness: float) -> float:
+    """Mean over scenarios of the soft maximum (1/sharpness) log sum_r exp(sharpness * load_r)
+    of the rank loads; per_replica is [scenarios, experts]."""
+    w = np.concatenate([per_replica, np.zeros((len(per_replica), 1))], 1)
+    loads = w[:, table].sum(2)  # [scenarios, ranks]
+    top = loads.max(1)
+    lse = np.log(np.exp(sharpness * (loads - top[:, None])).sum(1)) / sharpness
+    return float((top + lse).mean())
+
+
+def scenario_search(
+    table: np.ndarray,
+    per_replica: np.ndarray,
+    sharpness: float,
+    previous: np.ndarray | None = None,
+    move_cost: float = 0.0,
+    max_iters: int = 5_000,
+) -> np.ndarray:
+    """Swap search on the expected soft max over load scenarios (`soft_max_load`).
+
+    per_replica is [scenarios, experts]: the load of one replica of each expert in each
+    scenario. Each iteration takes the rank with the largest share of the soft maxima and
+    applies the swap (or move into an empty slot) with any other rank that lowers the objective
+    the most; with `previous`, every slot the swap takes off or puts back on its previous expert
+    adds or saves `move_cost`, so swaps that gain less than they move are not made. No rank gets
+    a second replica of an expert. Each swap strictly lowers objective + move_cost * moved,
+    so this terminates."""
+    table = table.copy()
+    num_scen, n = per_replica.shape
+    num_ranks, _ = table.shape
+    w = np.concatenate([per_replica, np.zeros((num_scen, 1))], 1)  # index -1 (empty): 0
+    held = np.zeros((num_ranks, n + 1), dtype=np.int64)
+    np.add.at(held, (np.arange(num_ranks)[:, None], table), 1)
+    held[:, n] = 0
+    slot_w = w[:, table]  # [scenarios, ranks, slots]
+    loads = slot_w.sum(2)
+    for _ in range(max_iters):
+        ex = np.exp(sharpness * (loads - loads.max(1, keepdims=True)))
+        z = ex.sum(1)  # [scenarios]
+        h = int(np.argmax((ex / z[:, None]).mean(0)))
+        # d[s, i, k, j]: load moving from rank h to rank k when (h, i) and (k, j) swap
+        d = slot_w[:, h, :, None, None] - slot_w[:, None, :, :]
+        x = np.exp(sharpness * d)
+        eh = ex[:, h, None, None, None]
+        ek = ex[:, None, :, None]
+        z2 = z[:, None, None, None] - eh - ek + eh / x + ek * x
+        delta = (np.log(np.maximum(z2, 1e-300)).mean(0) - np.log(z).mean()) / sharpness
+        a, b = table[h][:, None, None], table[None, :, :]
+        ok = a != b
+        ok &= held[:, table[h]].T[:, :, None] == 0  # expert of (h, i) not on k yet
+        ok &= (held[h][table] == 0)[None]  # expert of (k, j) not on h yet
+        ok[:, h, :] = False
+        if previous is not None and move_cost:
+            ph, pk = previous[h][:, None, None], previous[None, :, :]
+            delta = delta + move_cost * (
+                _differs(b, ph) + _differs(a, pk) - _differs(a, ph) - _differs(b, pk)
+            )
+        delta = np.where(ok, delta, np.inf)
+        i, k, j = np.unravel_index(int(np.argmin(delta)), delta.shape)
+        if not delta[i, k, j] < -_EPS:
+            break
+        ea, eb = int(table[h, i]), int(table[k, j])
+        table[h, i], table[k, j] = eb, ea
+        slot_w[:, h, i], slot_w[:, k, j] = w[:, eb], w[:, ea]
+        loads[:, h], loads[:, k] = slot_w[:, h].sum(1), slot_w[:, k].sum(1)
+        held[h, ea] -= 1
+        held[k, ea] += 1
+        held[k, eb] -= 1
+        held[h, eb] += 1
+        held[:, n] = 0
+    return table
+
+
+def _differs(expert: np.ndarray, previous: np.ndarray) -> np.ndarray:
+    """1.0 where a slot holding `expert` would be a moved slot against `previous`."""
+    return ((expert != previous) & (expert != EMPTY)).astype(np.float64)

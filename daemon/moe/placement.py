@@ -12,6 +12,7 @@ import torch
 
 from daemon.moe import packing
 from daemon.moe.packing import EMPTY
+from daemon.moe.stats import SwapModel, drift_scenarios, recent_load
 
 Load = Sequence[float] | np.ndarray | torch.Tensor
 
@@ -180,6 +181,72 @@ def balanced_placement(
             warm, prev
         ) <= packing.moved(table, prev):
             table = warm
+    return _from_table(table)
+
+
+def robust_placement(
+    samples: np.ndarray | torch.Tensor,
+    num_ranks: int,
+    slots_per_rank: int,
+    previous: Placement | None = None,
+    *,
+    drift: SwapModel | None = None,
+    horizon: float = 10.0,
+    scenarios: int = 32,
+    sharpness: float = 60.0,
+    move_cost: float = 5e-5,
+    half_life: float = 0.0,
+    fallback_tolerance: float = 0.01,
+    duplicate_threshold: float = 0.01,
+    seed: int = 0,
+) -> Placement:
+    """A placement for the next `horizon` stats intervals of drift, not for the past.
+
+    samples: one layer's [intervals, experts] raw counts, oldest first (the load window).
+    The current load is `recent_load(samples, half_life)` (the latest interval by default);
+    `drift` (default: fitted on the samples; `LoadWindow.swap_model` remembers longer) turns it
+    into `scenarios` futures spread over the horizon (`drift_scenarios`). Every expert gets
+    replicas for its largest load over the scenarios (an expert that may overtake the one
+    above it is replicated as if it had), and the replicas are placed by a swap search on the
+    expected soft maximum of the rank loads over the scenarios (`packing.scenario_search`;
+    `sharpness` ~ 1.3 / the per-step relative noise of a rank's load, so the soft maximum is
+    the expected busiest rank of a noisy step). With `previous`, the search starts from it
+    (replica counts updated) and a swap must gain `move_cost` (in rank-mean units) per slot it
+    moves; if that ends more than `fallback_tolerance` above a fresh nominal packing, a fresh
+    searched placement relabelled onto `previous` is taken if it is better. Without drift
+    (all scenarios equal) this is the nominal balance of the latest load."""
+    x = samples.detach().cpu().double().numpy() if isinstance(samples, torch.Tensor) else samples
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or not len(x):
+        raise ValueError(f"samples must be [intervals, experts] with an interval, got {x.shape}")
+    if (x < 0).any() or not np.isfinite(x).all():
+        raise ValueError("expert loads must be finite and non-negative")
+    w = as_load(recent_load(x, half_life))
+    n = len(w)
+    if -(-n // num_ranks) > slots_per_rank:
+        raise ValueError(f"{n} experts do not fit {num_ranks} x {slots_per_rank} slots")
+    model = SwapModel.from_samples(x) if drift is None else drift
+    nominal = w / w.sum() * num_ranks  # rank mean 1
+    futures = drift_scenarios(nominal, model, horizon, scenarios, seed)
+    counts = packing.replica_counts(
+        futures.max(0), num_ranks * slots_per_rank, max_per_expert=num_ranks
+    )
+    per_replica = nominal / counts
+    per_future = futures / counts
+    fresh = packing.greedy_pack(per_replica, counts, num_ranks, slots_per_rank)
+    fresh = packing.balance(fresh, per_replica, 0.0, 1 + duplicate_threshold)
+    if previous is None:
+        return _from_table(packing.scenario_search(fresh, per_future, sharpness))
+    prev = previous.table()
+    if prev.shape != fresh.shape:
+        raise ValueError(f"previous placement has shape {prev.shape}, expected {fresh.shape}")
+    table = packing.warm_start(prev, counts, per_replica)
+    table = packing.scenario_search(table, per_future, sharpness, prev, move_cost)
+    value = packing.soft_max_load(table, per_future, sharpness)
+    if value > packing.soft_max_load(fresh, per_future, sharpness) + fallback_tolerance:
+        fresh = packing.align(packing.scenario_search(fresh, per_future, sharpness), prev)
+        if packing.soft_max_load(fresh, per_future, sharpness) < value:
+            table = fresh
     return _from_table(table)
 
 
