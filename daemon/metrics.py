@@ -180,9 +180,16 @@ class _EngineCollector:
             "Prompt tokens found / looked up, since start.",
             value=stats["prefix_token_hit_rate"],
         )
-        if "host_cache_bytes" in stats:
-            yield GaugeMetricFamily(
-                "deepinfer:host_cache_bytes",
-                "Bytes held by the host tier.",
-                value=stats["host_cache_bytes"],
-            )
+        tiers = GaugeMetricFamily(
+            "deepinfer:kv_cache_tier_bytes",
+            "Prefix-cache content by tier: device (cached blocks), host, store (at the last sweep).",
+            labels=["tier"],
+        )
+        for tier, key in (
+            ("device", "prefix_cached_bytes"),
+            ("host", "host_cache_bytes"),
+            ("store", "kv_store_bytes"),
+        ):
+            if key in stats:
+                tiers.add_metric([tier], stats[key])
+        yield tiers

@@ -59,3 +59,4 @@ async def test_counters_follow_traffic(api_server, wait_idle) -> None:
     assert after[("deepinfer:num_requests_running", ())] == 0
     assert ("deepinfer:kv_cache_usage_perc", (("kind", "full"),)) in after
     assert ("deepinfer:num_preemptions_total", ()) in after
+    assert after[("deepinfer:kv_cache_tier_bytes", (("tier", "device"),))] > 0

@@ -64,6 +64,7 @@ def test_agent_goes_before_chat_of_the_same_age(store: BlockStore) -> None:
     sweeper = StoreSweeper(store, TrafficClasses(), 6 * FILE, 0.9, 0.8)
     result = sweeper.sweep(now)
     assert result.evicted == 4 and result.bytes <= 0.8 * 6 * FILE
+    assert sweeper.last is result and result.files == 4
     assert all(p.exists() for p in chat) and not any(p.exists() for p in agent)
 
 

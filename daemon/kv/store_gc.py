@@ -54,6 +54,7 @@ class StoreSweeper:
         self.capacity_bytes = capacity_bytes
         self.high, self.low = high_watermark, low_watermark
         self._class_of: dict[int, str] = {}  # inode -> traffic class (a file never changes class)
+        self.last: SweepResult | None = None
 
     def sweep(self, now: float | None = None) -> SweepResult:
         now = time.time() if now is None else now
@@ -80,6 +81,7 @@ class StoreSweeper:
                     survivors.append(block)
             keep = survivors
         result.files, result.bytes = len(keep), sum(b.size for b in keep)
+        self.last = result
         if result.expired or result.evicted:
             log.info("kv_store_swept", **vars(result))
         return result

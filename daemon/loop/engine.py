@@ -244,14 +244,22 @@ class Engine:
     def stats(self) -> dict[str, object]:
         usage = self.kv.usage()
         prefix = self.scheduler.prefix
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "loading": len(self._loads),
-            "kv_blocks_total": sum(u.num_blocks for u in usage),
-            "kv_blocks_free": sum(u.num_free for u in usage),
-            "steps": self.steps,
-        } | (prefix.snapshot_stats() if prefix is not None else {})
+        return (
+            {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "loading": len(self._loads),
+                "kv_blocks_total": sum(u.num_blocks for u in usage),
+                "kv_blocks_free": sum(u.num_free for u in usage),
+                "steps": self.steps,
+            }
+            | (prefix.snapshot_stats() if prefix is not None else {})
+            | self._store_stats()
+        )
+
+    def _store_stats(self) -> dict[str, object]:
+        last = self.sweeper.last if self.sweeper is not None else None
+        return {} if last is None else {"kv_store_files": last.files, "kv_store_bytes": last.bytes}
 
     # ---- the loop -----------------------------------------------------------------------
 

@@ -321,7 +321,10 @@ class PrefixCache:
         if self.store is not None:
             c, tier = self.store.counters, self.stats.tiers["store"]
             tier.bytes_read, tier.bytes_written = c.bytes_read, c.bytes_written
-        out = self.stats.as_dict() | {"prefix_cached_blocks": len(self.kv.cached)}
+        out = self.stats.as_dict() | {
+            "prefix_cached_blocks": len(self.kv.cached),
+            "prefix_cached_bytes": len(self.kv.cached) * self.block_bytes,
+        }
         if self.host is not None:
             out |= {"host_cache_blocks": len(self.host), "host_cache_bytes": self.host.bytes}
         if self.store is not None:
