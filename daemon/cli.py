@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from daemon.api.server import run_server
 
-            return run_server(settings)
+            return run_server(settings, reload=lambda: _settings(args))
         import uvloop
 
         uvloop.run(_generate(args, settings.engine))

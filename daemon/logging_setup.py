@@ -44,7 +44,7 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
-    SINK = LogSink(file)
+    old, SINK = SINK, LogSink(file)
     if fmt == "auto":
         fmt = "console" if SINK.isatty() else "json"
     renderer: structlog.typing.Processor
@@ -74,4 +74,6 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+    if old.path is not None:  # a reconfiguration (SIGHUP): the new file took over
+        old.stream.close()
     return SINK

@@ -55,3 +55,33 @@ async def test_sigterm_drains_streams(tiny_model_dir: Path, tmp_path: Path) -> N
         assert await asyncio.to_thread(proc.wait, 60) == 0
     log = (tmp_path / "d.log").read_text()
     assert '"event": "draining"' in log and '"event": "stopped"' in log
+
+
+async def test_sighup_reloads_live_settings(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text("[server]\nmax_waiting = 0\n")
+    args = [
+        "--config", str(config), "--model", str(tiny_model_dir), "--served-model-name", "tiny",
+        "--kv-cache-memory-gb", "0.02", "--no-kv-store", "--log-format", "json",
+    ]  # fmt: skip
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
+    with daemon(args, tmp_path / "d.log") as (url, proc):
+        async with aiohttp.ClientSession() as http:
+
+            async def status(**headers: str) -> int:
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    return r.status
+
+            assert await status() == 200
+            config.write_text('[server]\napi_key = "k2"\n[logging]\nlevel = "debug"\n')
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.0)
+            assert await status() == 401 and await status(Authorization="Bearer k2") == 200
+            config.write_text("[server]\nmax_waiting = -1\n")  # rejected: nothing changes
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.0)
+            assert await status() == 401 and await status(Authorization="Bearer k2") == 200
+            assert proc.poll() is None
+    log = (tmp_path / "d.log").read_text()
+    assert '"event": "settings_reloaded"' in log and '"event": "settings_reload_rejected"' in log
+    assert "server.max_waiting" in log

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -30,7 +31,7 @@ from daemon.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.recipe.codec import RecipeCodec
 from daemon.sd_notify import Notifier
-from daemon.settings import Settings
+from daemon.settings import ConfigError, Settings
 
 log = structlog.get_logger(__name__)
 
@@ -126,9 +127,10 @@ def bound_port(runner: web.AppRunner) -> int:
     return runner.addresses[0][1]
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, reload: Callable[[], Settings] | None = None) -> int:
     """Builds the engine and serves until SIGTERM/SIGINT; then drains (new requests get 503,
-    running ones finish within `shutdown_timeout`; a second signal aborts them) and exits."""
+    running ones finish within `shutdown_timeout`; a second signal aborts them) and exits.
+    SIGHUP re-reads the settings (`reload`) and applies what can change live."""
     engine_cfg, server_cfg = settings.engine, settings.server
     engine, name = build_engine(engine_cfg)
     demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
@@ -140,7 +142,7 @@ async def serve(settings: Settings) -> int:
         await start_admin(app[STATE], server_cfg.admin_socket) if server_cfg.admin_socket else None
     )
     notifier = Notifier()
-    signals = _Signals(asyncio.get_running_loop())
+    signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
     log.info(
         "serving",
         url=url,
@@ -175,26 +177,49 @@ async def serve(settings: Settings) -> int:
 
 class _Signals:
     """SIGTERM/SIGINT: first one starts the drain, a second one cuts it short.
-    SIGHUP: reopen the log file (after logrotate)."""
+    SIGHUP: `on_hangup` (reload settings, reopen the log file after logrotate)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_hangup: Callable[[], None]) -> None:
         self.loop, self.stop, self.force = loop, asyncio.Event(), asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_stop)
-        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
 
     def _on_stop(self) -> None:
         if self.stop.is_set():
             self.force.set()
         self.stop.set()
 
-    def _on_hangup(self) -> None:
-        logging_setup.SINK.reopen()
-        log.info("logs_reopened", file=logging_setup.SINK.path)
-
     def remove(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self.loop.remove_signal_handler(sig)
+
+
+def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
+    """Live: logging (level, format, file, reopened), the API key, the waiting-queue limit and
+    the MoE intervals. The rest needs a restart; a settings file that fails its checks changes
+    nothing."""
+    if reload is None:
+        logging_setup.SINK.reopen()
+        log.info("logs_reopened", file=logging_setup.SINK.path)
+        return
+    try:
+        new = reload()
+    except ConfigError as e:
+        log.warning("settings_reload_rejected", error=str(e))
+        return
+    logging_setup.setup_logging(new.logging.level, new.logging.format, new.logging.file)
+    state.api_key, state.max_waiting = new.server.api_key, new.server.max_waiting
+    if state.engine.moe is not None:
+        state.engine.moe.set_intervals(
+            new.engine.moe_stats_interval, new.engine.moe_rebalance_interval
+        )
+    log.info(
+        "settings_reloaded",
+        log_level=new.logging.level,
+        api_key_set=new.server.api_key is not None,
+        max_waiting=new.server.max_waiting,
+    )
 
 
 async def _drain(engine: Engine, timeout_s: float, force: asyncio.Event) -> bool:
@@ -217,5 +242,5 @@ async def _report_status(engine: Engine, notifier: Notifier) -> None:
         notifier.status(f"{stats['running']} running, {stats['waiting']} waiting")
 
 
-def run_server(settings: Settings) -> int:
-    return uvloop.run(serve(settings))
+def run_server(settings: Settings, reload: Callable[[], Settings] | None = None) -> int:
+    return uvloop.run(serve(settings, reload))
