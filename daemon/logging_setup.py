@@ -9,8 +9,6 @@ from typing import TextIO
 
 import structlog
 
-LEVELS = ("debug", "info", "warning", "error")
-
 
 class LogSink:
     """A file-like target whose file can be reopened in place."""

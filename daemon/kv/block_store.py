@@ -193,10 +193,6 @@ class BlockStore:
     def submit_touch(self, keys: list[bytes]) -> None:
         self.pool.submit(self.touch, keys)
 
-    @property
-    def pending_writes(self) -> int:
-        return len(self._pending)
-
     async def flush(self) -> None:
         """Wait for every write submitted so far."""
         pending = [asyncio.wrap_future(f) for f in list(self._pending)]

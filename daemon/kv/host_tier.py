@@ -54,10 +54,6 @@ class HostTier:
             self.entries.move_to_end(key)
         return entry
 
-    def touch(self, key: bytes) -> None:
-        if key in self.entries:
-            self.entries.move_to_end(key)
-
     def discard(self, key: bytes) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:

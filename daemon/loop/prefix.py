@@ -121,6 +121,13 @@ class PrefixCache:
     def _in_memory(self, key: bytes) -> bool:
         return key in self.kv.cached or (self.host is not None and key in self.host)
 
+    def _leading(self, req: Request, keys: list[bytes]) -> int:
+        """How many leading keys some tier holds (memory, or read from the store for `req`)."""
+        n = 0
+        while n < len(keys) and (self._in_memory(keys[n]) or keys[n] in req.loaded):
+            n += 1
+        return n
+
     # ---- before admission: the block store ------------------------------------------------
 
     def store_keys(self, req: Request) -> list[bytes]:
@@ -128,9 +135,7 @@ class PrefixCache:
         if self.store is None:
             return []
         keys = self._usable_keys(req)
-        n = 0
-        while n < len(keys) and self._in_memory(keys[n]):
-            n += 1
+        n = self._leading(req, keys)
         req.store_checked = n  # the keys before were in memory at this point
         return keys[n:]
 
@@ -151,9 +156,7 @@ class PrefixCache:
         Returns keys to read from the block store first when blocks that were in memory when
         the request arrived have been evicted while it waited; None once it is admitted."""
         keys = self._usable_keys(req)
-        n = 0
-        while n < len(keys) and (self._in_memory(keys[n]) or keys[n] in req.loaded):
-            n += 1
+        n = self._leading(req, keys)
         if self.store is not None and n < req.store_checked and req.store_probes < MAX_PROBES:
             req.store_probes += 1
             req.store_checked = n
@@ -318,9 +321,6 @@ class PrefixCache:
                 self.store.submit_write(save.key, save.entry.payload, save.persist_as)
 
     def snapshot_stats(self) -> dict[str, float]:
-        if self.store is not None:
-            c, tier = self.store.counters, self.stats.tiers["store"]
-            tier.bytes_read, tier.bytes_written = c.bytes_read, c.bytes_written
         out = self.stats.as_dict() | {
             "prefix_cached_blocks": len(self.kv.cached),
             "prefix_cached_bytes": len(self.kv.cached) * self.block_bytes,
@@ -328,7 +328,12 @@ class PrefixCache:
         if self.host is not None:
             out |= {"host_cache_blocks": len(self.host), "host_cache_bytes": self.host.bytes}
         if self.store is not None:
-            out |= {f"kv_store_{k}": v for k, v in vars(self.store.counters).items()}
+            c = self.store.counters  # the store counts its own file bytes
+            out |= {
+                "prefix_store_bytes_read": c.bytes_read,
+                "prefix_store_bytes_written": c.bytes_written,
+            }
+            out |= {f"kv_store_{k}": v for k, v in vars(c).items()}
         if self.swa is not None:
             out |= {"swa_hits": self.swa.hits, "swa_misses": self.swa.misses}
         return out

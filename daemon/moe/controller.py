@@ -55,14 +55,12 @@ class MoEController:
         self.num_experts = layers[0].num_experts
         ranks = ep.size if ep else 1
         self.slots_per_rank = slots_per_rank or math.ceil(self.num_experts / ranks) + (ranks > 1)
-        self.stats_interval, self.rebalance_interval = stats_interval, rebalance_interval
         self.window = LoadWindow(window)
         self.steps = 0
         self.version = 0  # placements applied so far
         self.last_rebalance: dict[str, float] | None = None
         self._rebalance_requested = threading.Event()
-        for layer in layers:
-            layer.track_load = stats_interval > 0 or rebalance_interval > 0
+        self.set_intervals(stats_interval, rebalance_interval)  # (and load tracking)
         self.placements = [
             balanced_placement(np.ones(self.num_experts), ranks, self.slots_per_rank)
             for _ in layers

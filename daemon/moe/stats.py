@@ -181,9 +181,6 @@ class LoadWindow:
             return SwapModel()
         return SwapModel.fit(*self._swaps[layer])
 
-    def resize(self, window: int) -> None:
-        self.intervals = deque(self.intervals, maxlen=window)
-
 
 def _tail(x: np.ndarray) -> np.ndarray:
     """2 * Phi(-x), the two-sided normal tail (1 at x = 0, 1 everywhere for x = 0 / inf)."""
