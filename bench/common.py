@@ -146,6 +146,7 @@ def build_ours(
     kv_cache_memory_gb: float = 1.0,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
+    cpu_threads: int = 0,
 ) -> Any:
     from daemon.build import build_engine
     from daemon.config import EngineConfig
@@ -157,6 +158,7 @@ def build_ours(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         overlap=overlap,
+        cpu_threads=cpu_threads,
     )
     engine, _ = build_engine(cfg)
     return engine

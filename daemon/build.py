@@ -127,7 +127,9 @@ def _cpu_threads(cfg: EngineConfig) -> int:
     if cfg.cpu_threads:
         return cfg.cpu_threads
     cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1) if cfg.overlap else cores
+    # On a few cores the forward needs them all (a 2-core machine halves its matmul rate
+    # with one); on many, one core left to the event loop costs little and hides its work.
+    return cores - 1 if cfg.overlap and cores > 4 else cores
 
 
 def _config_eos(hf_config: dict) -> tuple[int, ...]:

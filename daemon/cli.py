@@ -51,7 +51,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--cpu-threads",
         type=int,
         default=S,
-        help="torch threads on a CPU device (0: all cores, one left to the event loop with overlap)",
+        help="torch threads on a CPU device (0: all cores; with overlap on more than 4 cores, one is left to the event loop)",
     )
     g.add_argument(
         "--no-prefix-caching",
