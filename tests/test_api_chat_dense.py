@@ -103,7 +103,7 @@ def test_logprobs(client: OpenAI) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"messages": []}, {"messages": [{"content": "x"}]}, {"temperature": -1}, {"n": 2}],
+    [{"messages": []}, {"messages": [{"content": "x"}]}, {"temperature": -1}, {"n": 0}],
 )
 def test_bad_input(client: OpenAI, kwargs: dict) -> None:
     with pytest.raises(BadRequestError):
@@ -149,3 +149,38 @@ def test_regex_and_json_response_format(client: OpenAI) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+
+
+def test_n_choices(client: OpenAI, chat_dir: Path) -> None:
+    args = dict(model=NAME, messages=USER, max_tokens=6, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**args, n=3, seed=11, temperature=1.0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 3  # seed, seed+1, seed+2
+    assert r.usage.prompt_tokens == _prompt_len(chat_dir) and r.usage.completion_tokens == 18
+    greedy = client.chat.completions.create(**args, n=3, temperature=0)
+    assert len({c.message.content for c in greedy.choices}) == 1
+    chunks = list(
+        client.chat.completions.create(
+            **args, n=3, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts = {i: "" for i in range(3)}
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == {0, 1, 2}
+    assert all(t == greedy.choices[0].message.content for t in texts.values())
+    assert chunks[-1].usage.completion_tokens == 18
+
+
+def test_n_choices_with_a_grammar(client: OpenAI) -> None:
+    fmt = {"type": "regex", "regex": r"[a-z]{1,6}-[0-9]{2}"}
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=20, n=4, seed=3, response_format=fmt
+    )
+    import re
+
+    assert all(re.fullmatch(fmt["regex"], c.message.content) for c in r.choices)

@@ -3,6 +3,7 @@ own detokenizer and stop handling, OpenAI chat.completion(.chunk) objects."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -13,8 +14,9 @@ from aiohttp import web
 
 from daemon.api import access
 from daemon.api.cache_options import cache_options, prompt_tokens_details
-from daemon.api.errors import ApiError, bad_request, unavailable
-from daemon.api.fanout import FanOut, submit_all
+from daemon.api.completions_protocol import MAX_N
+from daemon.api.errors import ApiError, unavailable
+from daemon.api.fanout import FanOut, sample_jobs, submit_all
 from daemon.api.logprobs import token_text
 from daemon.api.params import get_bool, get_int, get_object, sampling_params
 from daemon.api.sse import SSEWriter
@@ -26,22 +28,14 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class _Chat:
-    id: str
-    created: int
-    model: str
-    prompt_tokens: int
-    tokenizer: TextTokenizer | None
-    want_logprobs: bool
+class _Choice:
+    index: int
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] | None = None
-
-    def header(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
@@ -52,13 +46,30 @@ class _Chat:
         if out.finished and out.finish_reason is not None:
             self.finish_reason = out.finish_reason.value
 
+
+@dataclass
+class _Chat:
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    tokenizer: TextTokenizer | None
+    want_logprobs: bool
+    choices: list[_Choice] = field(default_factory=list)
+
+    def header(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
     def usage(self) -> dict:
+        """The prompt counted once (the choices share it), the completions summed."""
+        first = self.choices[0]
+        completion = sum(ch.completion_tokens for ch in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": prompt_tokens_details(
-                self.cached_tokens, self.cached_tokens_by_tier
+                first.cached_tokens, first.cached_tokens_by_tier
             ),
         }
 
@@ -88,16 +99,17 @@ class _Chat:
 async def handle_templated(request: web.Request, state: ApiState, body: dict) -> web.StreamResponse:
     assert state.chat_template is not None
     engine = state.engine
-    prompt_ids = state.chat_template.encode(body)
-    if get_int(body, "n", 1, lo=1, hi=1) != 1:
-        raise bad_request("only n=1 is supported", "n")
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N) or 1
+    # rendering and tokenizing a long conversation takes a while: off the event loop
+    prompt_ids = await asyncio.to_thread(state.chat_template.encode, body)
     limit = get_int(body, "max_completion_tokens", lo=1) or get_int(body, "max_tokens", lo=1)
     max_tokens = limit or max(1, engine.max_model_len - len(prompt_ids))
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", 0, lo=0, hi=20)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=top if want_logprobs else None)
+    grammar = None
     if state.constraints is not None:
-        params.constraint = await state.constraints.for_response_format(body.get("response_format"))
+        grammar = await state.constraints.for_response_format(body.get("response_format"))
     stream = get_bool(body, "stream")
     include_usage = get_bool(get_object(body, "stream_options"), "include_usage")
     state.check_capacity()
@@ -108,60 +120,66 @@ async def handle_templated(request: web.Request, state: ApiState, body: dict) ->
         len(prompt_ids),
         engine.tokenizer,
         want_logprobs,
+        [_Choice(i) for i in range(n)],
     )
     cache = cache_options(request, body, engine)
-    req = submit_all(engine, c.id, [(prompt_ids, params)], cache=cache)[0]
+    reqs = submit_all(engine, c.id, sample_jobs(prompt_ids, params, n, grammar), cache=cache)
     try:
         if stream:
-            return await _stream(request, state, req, c, include_usage)
-        return await _whole(state, req, c)
+            return await _stream(request, state, reqs, c, include_usage)
+        return await _whole(state, reqs, c)
     finally:
-        access.note(request, c.id, [req], stream)
+        access.note(request, c.id, reqs, stream)
 
 
-async def _whole(state: ApiState, req: Request, c: _Chat) -> web.Response:
-    async with FanOut(state.engine, [req]) as fan:
-        async for _, out in fan:
+async def _whole(state: ApiState, reqs: list[Request], c: _Chat) -> web.Response:
+    async with FanOut(state.engine, reqs) as fan:
+        async for i, out in fan:
             if out.finish_reason is FinishReason.ABORT:
                 raise _aborted()
-            c.add(out)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "".join(c.text)},
-        "logprobs": c.chat_logprobs(c.logprobs),
-        "finish_reason": c.finish_reason,
-    }
-    body = c.header("chat.completion") | {"choices": [choice], "usage": c.usage()}
+            c.choices[i].add(out)
+    choices = [
+        {
+            "index": ch.index,
+            "message": {"role": "assistant", "content": "".join(ch.text)},
+            "logprobs": c.chat_logprobs(ch.logprobs),
+            "finish_reason": ch.finish_reason,
+        }
+        for ch in c.choices
+    ]
+    body = c.header("chat.completion") | {"choices": choices, "usage": c.usage()}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def _stream(
-    request: web.Request, state: ApiState, req: Request, c: _Chat, include_usage: bool
+    request: web.Request, state: ApiState, reqs: list[Request], c: _Chat, include_usage: bool
 ) -> web.StreamResponse:
     writer: SSEWriter | None = None
     head = c.header("chat.completion.chunk")
     try:
-        async with FanOut(state.engine, [req]) as fan:
+        async with FanOut(state.engine, reqs) as fan:  # entered first: it aborts on any exit
             writer = await SSEWriter.open(request)
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            await writer.send(head | {"choices": [first]})
-            async for _, out in fan:
+            for ch in c.choices:
+                first = {
+                    "index": ch.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await writer.send(head | {"choices": [first]})
+            async for i, out in fan:
                 if out.finish_reason is FinishReason.ABORT:
                     await writer.send(_aborted().body())
                     break
-                c.add(out)
+                ch = c.choices[i]
+                ch.add(out)
                 if not (out.new_text or out.finished or out.logprobs):
                     continue
                 choice = {
-                    "index": 0,
+                    "index": i,
                     "delta": {"content": out.new_text} if out.new_text else {},
                     "logprobs": c.chat_logprobs(out.logprobs),
-                    "finish_reason": c.finish_reason if out.finished else None,
+                    "finish_reason": ch.finish_reason if out.finished else None,
                 }
                 await writer.send(head | {"choices": [choice]})
             else:

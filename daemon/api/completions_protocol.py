@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from daemon.api.errors import bad_request
+from daemon.api.fanout import seeded
 from daemon.api.params import (
     JsonObject,
     get_bool,
@@ -35,10 +36,7 @@ class CompletionRequest:
     priority: int
 
     def params_for(self, choice: int) -> SamplingParams:
-        """Choice i of a prompt samples with seed+i, so n>1 with a seed gives n different texts."""
-        if self.params.seed is None or choice == 0:
-            return self.params
-        return replace(self.params, seed=self.params.seed + choice)
+        return seeded(self.params, choice)
 
 
 def parse_completion_request(body: JsonObject) -> CompletionRequest:

@@ -3,6 +3,7 @@ deepseek-recipe: convert, encode, generate, parse, then answer whole or as SSE."
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -11,15 +12,26 @@ from aiohttp import web
 
 from daemon.api import access
 from daemon.api.cache_options import cache_options
+from daemon.api.chat_choices import ChunkMerger, merge_responses
 from daemon.api.chat_dense import handle_templated
-from daemon.api.constraints import ENFORCED_KINDS
+from daemon.api.completions_protocol import MAX_N
+from daemon.api.constraints import Grammar
 from daemon.api.errors import ApiError, bad_request, unavailable
-from daemon.api.fanout import FanOut, submit_all
+from daemon.api.fanout import FanOut, sample_jobs, submit_all
+from daemon.api.params import JsonObject, get_int
 from daemon.api.sse import SSEWriter
 from daemon.api.state import ApiState, get_state, read_json_object
-from daemon.loop.constraint import GrammarConstraint
 from daemon.loop.request import FinishReason, Request
-from daemon.recipe.codec import CHAT, MESSAGES, RESPONSES, CodecError, Prepared, Protocol
+from daemon.recipe.codec import (
+    CHAT,
+    MESSAGES,
+    RESPONSES,
+    Accumulator,
+    CodecError,
+    Prepared,
+    Protocol,
+    RecipeCodec,
+)
 from daemon.recipe.stream import OutputStream
 
 log = structlog.get_logger(__name__)
@@ -37,83 +49,108 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
         if protocol is CHAT and state.chat_template is not None:
             return await handle_templated(request, state, body)
         raise bad_request(f"{request.path} is not available for this model (it has no chat codec)")
+    n = 1
+    if protocol is CHAT:  # the recipe takes n=1 only; the choices are ours
+        n = get_int(body, "n", 1, lo=1, hi=MAX_N) or 1
+        body = {k: v for k, v in body.items() if k != "n"}
     rid = protocol.id_prefix + uuid.uuid4().hex
-    try:
-        prepared = state.codec.prepare(protocol, body, rid)
-    except CodecError as e:
-        raise bad_request(str(e)) from None
-    prepared.params.constraint = await _constraint(state, prepared)
+    prepared = await _prepare(state.codec, protocol, body, rid)
+    grammar = await _grammar(state, prepared)
     state.check_capacity()
     cache = cache_options(request, body, state.engine)
-    req = submit_all(state.engine, rid, [(prepared.prompt_ids, prepared.params)], cache=cache)[0]
-    out = OutputStream(
-        state.codec.processor(prepared), state.engine.eos_token_ids, len(req.prompt_ids)
-    )
+    eos, prompt_len = state.engine.eos_token_ids, len(prepared.prompt_ids)
+    outs = [OutputStream(state.codec.processor(prepared), eos, prompt_len) for _ in range(n)]
+    reqs: list[Request] = []
     try:
+        jobs = sample_jobs(prepared.prompt_ids, prepared.params, n, grammar)
+        reqs = submit_all(state.engine, rid, jobs, cache=cache)
         if prepared.stream:
-            return await _stream(request, state, protocol, req, out)
-        return await _whole(state, protocol, req, out, rid)
+            return await _stream(request, state, protocol, reqs, outs)
+        return await _whole(state, protocol, reqs, outs, rid)
     finally:
-        out.close()
-        access.note(request, rid, [req], prepared.stream)
+        for out in outs:
+            out.close()
+        if reqs:
+            access.note(request, rid, reqs, prepared.stream)
+
+
+async def _prepare(codec: RecipeCodec, protocol: Protocol, body: JsonObject, rid: str) -> Prepared:
+    """Conversion and prompt encoding, in a worker thread: long conversations take a while."""
+    try:
+        return await asyncio.to_thread(codec.prepare, protocol, body, rid)
+    except CodecError as e:
+        raise bad_request(str(e)) from None
 
 
 async def _whole(
-    state: ApiState, protocol: Protocol, req: Request, out: OutputStream, rid: str
+    state: ApiState, protocol: Protocol, reqs: list[Request], outs: list[OutputStream], rid: str
 ) -> web.Response:
-    acc = None
-    async with FanOut(state.engine, [req]) as fan:
-        async for _, o in fan:
+    accs: list[Accumulator | None] = [None] * len(reqs)
+    created = int(time.time())
+    async with FanOut(state.engine, reqs) as fan:
+        async for i, o in fan:
             if o.finish_reason is FinishReason.ABORT:
                 raise _aborted()
-            events = out.feed(o)
+            events = outs[i].feed(o)
+            acc = accs[i]
             if acc is None:
-                acc = protocol.response_cls(
+                acc = accs[i] = protocol.response_cls(
                     rid,
                     state.served_name,
-                    int(time.time()),
-                    out.num_prompt_tokens,
-                    out.num_cached_tokens,
+                    created,
+                    outs[i].num_prompt_tokens,
+                    outs[i].num_cached_tokens,
                 )
             for ev in events:
                 acc.accumulate(ev)
-    assert acc is not None
-    return web.Response(body=acc.to_json(), content_type="application/json")
+    done = [acc for acc in accs if acc is not None]
+    assert len(done) == len(reqs)
+    body = done[0].to_json() if len(done) == 1 else merge_responses([a.to_json() for a in done])
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _stream(
-    request: web.Request, state: ApiState, protocol: Protocol, req: Request, out: OutputStream
+    request: web.Request,
+    state: ApiState,
+    protocol: Protocol,
+    reqs: list[Request],
+    outs: list[OutputStream],
 ) -> web.StreamResponse:
     writer: SSEWriter | None = None
     name_of = protocol.response_cls.sse_event_name
+    merger = ChunkMerger(len(reqs)) if len(reqs) > 1 else None
     try:
-        async with FanOut(state.engine, [req]) as fan:  # entered first: it aborts on any exit
+        async with FanOut(state.engine, reqs) as fan:  # entered first: it aborts on any exit
             writer = await SSEWriter.open(request)
-            async for _, o in fan:
+            async for i, o in fan:
                 if o.finish_reason is FinishReason.ABORT:
                     await writer.send(_aborted_body(protocol), "error")
                     break
-                for ev in out.feed(o):
-                    await writer.send_raw(ev.to_json(), name_of(ev))
+                for ev in outs[i].feed(o):
+                    if merger is None:
+                        await writer.send_raw(ev.to_json(), name_of(ev))
+                    elif (chunk := merger.chunk(i, ev.to_json())) is not None:
+                        await writer.send(chunk)
         done = protocol.response_cls.sse_done_data()
         if done is not None:
             await writer.send_raw(done)
         await writer.close()
     except ConnectionResetError:
-        log.info("client_disconnected", id=req.request_id)
+        log.info("client_disconnected", id=reqs[0].request_id)
     if writer is None:
         raise ConnectionResetError("the client went away before the stream opened")
     return writer.response
 
 
-async def _constraint(state: ApiState, prepared: Prepared) -> GrammarConstraint | None:
-    """The recipe's json/regex OutputConstraint, enforced after the thinking block if any."""
+async def _grammar(state: ApiState, prepared: Prepared) -> Grammar | None:
+    """The recipe's OutputConstraint as a grammar, enforced after the thinking block if any."""
     oc = prepared.constraint
-    if oc is None or oc.kind not in ENFORCED_KINDS or state.constraints is None:
+    if oc is None or state.constraints is None or not state.constraints.enforces(oc.kind):
         return None
     compiled = await state.constraints.compile(oc.kind, oc.schema)
-    trigger = state.codec.think_end_id if prepared.conversation.conversation.thinking_mode else None
-    return GrammarConstraint(compiled, trigger)
+    assert state.codec is not None
+    thinking = prepared.conversation.conversation.thinking_mode
+    return Grammar(compiled, state.codec.think_end_id if thinking else None)
 
 
 def _aborted() -> ApiError:

@@ -5,12 +5,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from types import TracebackType
 
 from daemon.api.cache_options import CacheOptions
+from daemon.api.constraints import Grammar
 from daemon.api.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
 from daemon.loop.request import Request, RequestOutput, SamplingParams
+
+
+def seeded(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice i of a prompt samples with seed+i, so n>1 with a seed gives n different texts."""
+    if params.seed is None or choice == 0:
+        return params
+    return replace(params, seed=params.seed + choice)
+
+
+def sample_jobs(
+    prompt_ids: list[int], params: SamplingParams, n: int, grammar: Grammar | None = None
+) -> list[tuple[list[int], SamplingParams]]:
+    """The n choices of one prompt, each with its own seed (see `seeded`) and grammar matcher."""
+    jobs = []
+    for i in range(n):
+        p = replace(seeded(params, i), constraint=grammar.constraint() if grammar else None)
+        jobs.append((prompt_ids, p))
+    return jobs
 
 
 def submit_all(

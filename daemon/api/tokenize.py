@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 
@@ -19,13 +21,15 @@ async def tokenize(request: web.Request) -> web.Response:
     state = get_state(request)
     body = await read_json_object(request)
     tok = _tokenizer(state, body)
+    # rendering and encoding a long conversation or text takes a while: off the event loop
     if "messages" in body:
-        ids = _chat_ids(state, body)
+        ids = await asyncio.to_thread(_chat_ids, state, body)
     else:
         prompt = get_str(body, "prompt")
         if prompt is None:
             raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
-        ids = tok.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+        special = get_bool(body, "add_special_tokens", True)
+        ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=special)
     answer: dict = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if get_bool(body, "return_token_strs"):
         answer["token_strs"] = [tok.token_text(t) for t in ids]

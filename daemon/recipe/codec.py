@@ -37,11 +37,13 @@ class CodecError(ValueError):
 class Prepared:
     """A converted request, ready for the engine."""
 
+    protocol: Protocol
+    request_id: str
     conversation: dr.ConversationRequest
     prompt_ids: list[int]
     params: SamplingParams
-    generator: Generator
     constraint: dr.OutputConstraint | None
+    echo: dr.ResponsesEcho | None = None
 
     @property
     def stream(self) -> bool:
@@ -67,7 +69,8 @@ class RecipeCodec:
         self.think_end_id: int | None = tokenizer.tokenizer.token_to_id(end)
 
     def prepare(self, protocol: Protocol, body: dict[str, Any], request_id: str) -> Prepared:
-        """Raises CodecError for anything the client got wrong."""
+        """Raises CodecError for anything the client got wrong. Encoding a long conversation
+        takes a while (it releases the GIL): call it off the event loop."""
         try:
             request = protocol.request_cls(body)
             echo = request.echo() if protocol is RESPONSES else None
@@ -78,15 +81,14 @@ class RecipeCodec:
             raise CodecError(str(e)) from None
         except ValueError as e:  # malformed body (missing or mistyped fields)
             raise CodecError(str(e)) from None
-        generator = protocol.request_cls.chunk_generator(conv, request_id, self.served_name)
-        if echo is not None:
-            generator = generator.with_echo(echo)
         return Prepared(
+            protocol=protocol,
+            request_id=request_id,
             conversation=conv,
             prompt_ids=prompt_ids,
             params=sampling_params(conv, max_tokens),
-            generator=generator,
             constraint=conv.inference_options.output_constraint,
+            echo=echo,
         )
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
@@ -98,7 +100,13 @@ class RecipeCodec:
             raise CodecError(str(e)) from None
 
     def processor(self, prepared: Prepared) -> dr.StreamProcessor:
-        return dr.StreamProcessor(prepared.generator, prepared.parsing_options, self.tokenizer)
+        """A parser for one generated choice (each choice needs its own)."""
+        generator: Generator = prepared.protocol.request_cls.chunk_generator(
+            prepared.conversation, prepared.request_id, self.served_name
+        )
+        if prepared.echo is not None:
+            generator = generator.with_echo(prepared.echo)
+        return dr.StreamProcessor(generator, prepared.parsing_options, self.tokenizer)
 
 
 def sampling_params(conv: dr.ConversationRequest, max_tokens: int) -> SamplingParams:

@@ -1,0 +1,84 @@
+"""n>1 Chat Completions on a tiny DeepSeek-V4 through the recipe (openai SDK): n choices with
+their own seeds, one usage over them, streamed by index; a disconnect aborts all of them."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from openai import OpenAI
+
+from tests.conftest import V4_SERVED_NAME
+from tests.test_api_conversations import wait_idle
+
+M = V4_SERVED_NAME
+USER = [{"role": "user", "content": "Say hello"}]
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+@pytest.fixture(scope="module")
+def oai(v4_api_server) -> OpenAI:
+    return OpenAI(base_url=v4_api_server.base_url, api_key="x", max_retries=0, timeout=60)
+
+
+def _args(**kw) -> dict:
+    return dict(model=M, messages=USER, max_tokens=8, extra_body=NO_THINK) | kw
+
+
+def test_seeded_choices_differ_and_repeat(oai: OpenAI) -> None:
+    one = oai.chat.completions.create(**_args(seed=5, temperature=1.0))
+    r = oai.chat.completions.create(**_args(n=3, seed=5, temperature=1.0))
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3 and texts[0] == one.choices[0].message.content
+    again = oai.chat.completions.create(**_args(n=3, seed=5, temperature=1.0))
+    assert [c.message.content for c in again.choices] == texts
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 3 * 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_greedy_choices_are_equal(oai: OpenAI) -> None:
+    r = oai.chat.completions.create(**_args(n=3, temperature=0))
+    assert len(r.choices) == 3 and len({c.message.content for c in r.choices}) == 1
+
+
+def test_stream_by_index_matches_whole(oai: OpenAI) -> None:
+    whole = oai.chat.completions.create(**_args(n=3, seed=9, temperature=1.0))
+    chunks = list(oai.chat.completions.create(**_args(n=3, seed=9, temperature=1.0, stream=True)))
+    texts = {i: "" for i in range(3)}
+    finish = {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    usages = [c.usage for c in chunks if c.usage]
+    assert len(usages) == 1 and usages[0].completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.parametrize("n", [0, 17, "2"])
+async def test_bad_n_is_400(v4_api_server, n: object) -> None:
+    body = {"model": M, "messages": USER, "max_tokens": 2, "n": n}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(v4_api_server.base_url + "/chat/completions", json=body) as r,
+    ):
+        assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+
+
+async def test_disconnect_aborts_every_choice(v4_api_server) -> None:
+    body = {"model": M, "messages": USER, "max_tokens": 1000, "stream": True, "n": 3} | NO_THINK
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(v4_api_server.base_url + "/chat/completions", json=body)
+        assert resp.status == 200
+        events = 0
+        async for line in resp.content:
+            events += line.startswith(b"data: ")
+            if events == 8:
+                break
+        resp.close()
+    stats = await wait_idle(v4_api_server)
+    assert stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
