@@ -2,11 +2,19 @@
 present), bounded replay (snapshot missing, policy "replay") and full recompute (no prefix cache).
 
     python -m bench.v4_replay [--prefix 1024 4096 16384 --new-tokens 8 --repeats 9 --full-repeats 3]
+                              [--skip-full]
 
 Per prefix length, turn 1 (a random prefix, max_tokens=1) fills the block cache and stores the SWA
 snapshot at its last block boundary. Then, per repeat, turn 2 = prefix + a few fresh tokens with
 max_tokens=1 is timed (submit to its one token) three ways: turn 1's snapshot put back (exact
-resume), every snapshot dropped (bounded replay), and on an engine without prefix caching.
+resume), every snapshot dropped (bounded replay), and on an engine without prefix caching
+(`--skip-full` leaves that one out: at 16K it takes tens of seconds a run).
+
+The model's hidden (and expert) width is 512 by default: what a replay costs beyond the
+prefix-independent work is the lightning indexer scoring every compressed entry, so the ratio
+of the indexer's work to the model's sets how a replay grows with the prefix. At 16K tokens
+that ratio is 4.8% for DeepSeek-V4-Flash, 20% at hidden 512 and 151% at hidden 128 (printed
+at the start of every run; `--hidden 128` for the smaller model).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from tqdm import tqdm
 
 from bench.common import machine, median, quiet_logs
 from bench.v4_common import DeviceProfile, engine_threads, forward_threads
+from bench.v4_kv_bytes import FLASH, default_layer_types
+from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 
 V4_REPLAY = dict(
     vocab_size=4096,
@@ -51,6 +61,41 @@ V4_REPLAY = dict(
 )
 
 MODES = ("exact_resume", "replay", "full")
+
+
+def work_per_token(cfg: V4Config, context: int) -> tuple[float, float]:
+    """FLOPs of one token at `context` tokens of context: (the model without lm_head and
+    without the indexer's scoring, the indexer scoring every closed CSA entry). Counts the
+    matmuls: projections, the routed experts and the shared one, hyper-connection mixes,
+    attention over the window, the top-k CSA entries and every HCA entry."""
+    h, hd, heads, ql = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    layer = h * ql + ql * heads * hd + h * hd + heads * hd * cfg.o_lora_rank
+    layer += cfg.o_groups * cfg.o_lora_rank * h + cfg.sliding_window * heads * hd * 2
+    layer += (cfg.num_experts_per_tok + 1) * 3 * h * cfg.moe_intermediate_size
+    layer += h * cfg.num_experts + 2 * cfg.hc_mult * h * (2 + cfg.hc_mult) * cfg.hc_mult
+    model = index = 0
+    for kind in cfg.layer_types:
+        model += layer
+        if kind == CSA:
+            entries = context // cfg.csa_rate
+            model += 4 * h * hd + ql * ih * ihd + h * ih + 4 * h * ihd  # compressors, indexer q
+            model += min(cfg.index_topk, entries) * heads * hd * 2
+            index += entries * ih * (ihd + 1)
+        elif kind == HCA:
+            model += 2 * h * hd + context // cfg.hca_rate * heads * hd * 2
+    return 2.0 * model, 2.0 * index
+
+
+def indexer_share(c: dict[str, Any], context: int) -> str:
+    """The bench model's and V4-Flash's indexer work against their model work, at `context`."""
+    flash = {k: v for k, v in FLASH.items() if k != "torch_dtype"}
+    flash["layer_types"] = default_layer_types(flash["num_hidden_layers"])
+    parts = []
+    for name, conf in (("this model", c), ("DeepSeek-V4-Flash", flash)):
+        model, index = work_per_token(V4Config.from_hf(conf), context)
+        parts.append(f"{name} {model / 1e6:,.1f} + {index / 1e6:,.2f} MFLOP ({index / model:.1%})")
+    return f"per token at {context} tokens, model + indexer scoring: " + "; ".join(parts)
 
 
 @dataclass
@@ -114,7 +159,10 @@ async def bench(args: argparse.Namespace) -> None:
         **engine_threads(args),
     )
     cached_engine, _ = build_engine(EngineConfig(**common, swa_miss_policy="replay"))
-    cold_engine, _ = build_engine(EngineConfig(**common, prefix_caching=False))
+    cold_engine = None
+    if not args.skip_full:
+        cold_engine, _ = build_engine(EngineConfig(**common, prefix_caching=False))
+    modes = [m for m in MODES if not (args.skip_full and m == "full")]
     vocab = c["vocab_size"]
     print(
         f"model: V4 {c['num_hidden_layers']}L hidden {c['hidden_size']} heads "
@@ -122,22 +170,24 @@ async def bench(args: argparse.Namespace) -> None:
         f"fp32 | {machine()} | engine forward threads {forward_threads(cached_engine)} | "
         f"chunk {args.max_batched_tokens} tokens"
     )
+    print(indexer_share(c, max(args.prefix)))
     rng = random.Random(0)
     results = {p: Timings() for p in args.prefix}
     prefixes = {p: [rng.randrange(2, vocab) for _ in range(p)] for p in args.prefix}
     stashes: dict[int, dict[bytes, Any]] = {}
     profiles: list[tuple[str, DeviceProfile]] = []
-    await cached_engine.start()
-    await cold_engine.start()
+    engines = [e for e in (cached_engine, cold_engine) if e is not None]
+    for engine in engines:
+        await engine.start()
     try:
-        # warm-up both engines (first-call paths, allocator): a prefill, a resume, a replay
+        # warm-up the engines (first-call paths, allocator): a prefill, a resume, a replay
         warm = [rng.randrange(2, vocab) for _ in range(384)]
-        await one_token(cold_engine, warm)
-        await one_token(cached_engine, warm)
+        for engine in engines:
+            await one_token(engine, warm)
         for _ in range(2):
             await one_token(cached_engine, warm + [rng.randrange(2, vocab) for _ in range(8)])
             forget_swa(cached_engine)
-        rounds = max(args.repeats, args.full_repeats)
+        rounds = max(args.repeats, 0 if args.skip_full else args.full_repeats)
         total = len(args.prefix) * (1 + rounds)
         with tqdm(total=total, desc="runs", leave=False) as bar:
             for p, prefix in prefixes.items():  # turn 1: blocks cached, snapshot stored
@@ -147,13 +197,11 @@ async def bench(args: argparse.Namespace) -> None:
                 stashes[p] = dict(cached_engine.scheduler.prefix.swa.entries)
                 bar.update()
             for i in range(rounds):
-                modes = [
-                    m for m in MODES if i < (args.full_repeats if m == "full" else args.repeats)
-                ]
+                now = [m for m in modes if i < (args.full_repeats if m == "full" else args.repeats)]
                 for p, prefix in prefixes.items():
                     r = results[p]
                     prompt = prefix + [rng.randrange(2, vocab) for _ in range(args.new_tokens)]
-                    for mode in modes:
+                    for mode in now:
                         forget_swa(cached_engine)
                         if mode == "exact_resume":
                             put_back(cached_engine, stashes[p])
@@ -166,52 +214,65 @@ async def bench(args: argparse.Namespace) -> None:
         if args.profile:
             profiles = await profile_turns(cached_engine, cold_engine, prefixes, args, rng)
     finally:
-        await cached_engine.stop()
-        await cold_engine.stop()
-
-    print(
-        f"\nturn 2 = prefix + {args.new_tokens} new tokens, max_tokens=1: seconds from submit to "
-        f"its token, medians over {args.repeats} repeats ({args.full_repeats} for full)"
-    )
-    print(
-        f"{'prefix':>7} {'turn 1':>8} {'exact resume':>13} {'replay':>8} {'full':>8} "
-        f"{'full/replay':>12}  cached tokens (exact / replay / full)"
-    )
-    for p, r in results.items():
-        s = {m: median(v) for m, v in r.seconds.items()}
-        cached = " / ".join(",".join(str(x) for x in sorted(r.cached[m])) for m in MODES)
-        print(
-            f"{p:>7} {median(r.turn1):>8.3f} {s['exact_resume']:>13.3f} {s['replay']:>8.3f} "
-            f"{s['full']:>8.3f} {s['full'] / s['replay']:>11.1f}x  {cached}"
-        )
-    lo, hi = min(args.prefix), max(args.prefix)
-    for mode in MODES:
-        grow = median(results[hi].seconds[mode]) / median(results[lo].seconds[mode])
-        print(f"{mode:>13}: {hi}/{lo} time ratio {grow:.2f}x")
-    agree = {
-        m: sum(a == b for r in results.values() for a, b in zip(r.tokens[m], r.tokens["full"]))
-        / sum(len(r.tokens["full"]) for r in results.values())
-        for m in ("exact_resume", "replay")
-    }
-    print(
-        f"first token equal to full recompute: exact resume {agree['exact_resume']:.0%}, "
-        f"bounded replay {agree['replay']:.0%} (random weights: a worst case for replay)"
-    )
+        for engine in engines:
+            await engine.stop()
+    report(results, modes, args)
     if args.profile:
         for title, prof in profiles:
             print()
             print(prof.report(title, args.profile_top))
 
 
+def report(results: dict[int, Timings], modes: list[str], args: argparse.Namespace) -> None:
+    full = "full" in modes
+    print(
+        f"\nturn 2 = prefix + {args.new_tokens} new tokens, max_tokens=1: seconds from submit to "
+        f"its token, medians over {args.repeats} repeats "
+        + (f"({args.full_repeats} for full)" if full else "(full recompute skipped)")
+    )
+    print(
+        f"{'prefix':>7} {'turn 1':>8} {'exact resume':>13} {'replay':>8} {'full':>8} "
+        f"{'full/replay':>12}  cached tokens (exact / replay / full)"
+    )
+    for p, r in results.items():
+        s = {m: median(v) for m, v in r.seconds.items() if v}
+        cached = " / ".join(",".join(str(x) for x in sorted(r.cached[m])) for m in MODES)
+        tail = (
+            f"{s['full']:>8.3f} {s['full'] / s['replay']:>11.1f}x"
+            if full
+            else f"{'-':>8} {'-':>12}"
+        )
+        print(
+            f"{p:>7} {median(r.turn1):>8.3f} {s['exact_resume']:>13.3f} {s['replay']:>8.3f} "
+            f"{tail}  {cached}"
+        )
+    lo, hi = min(args.prefix), max(args.prefix)
+    for mode in modes:
+        grow = median(results[hi].seconds[mode]) / median(results[lo].seconds[mode])
+        print(f"{mode:>13}: {hi}/{lo} time ratio {grow:.2f}x")
+    # the full recompute is the truth; without it, exact resume (equal to it in every run)
+    truth = "full" if full else "exact_resume"
+    agree = {
+        m: sum(a == b for r in results.values() for a, b in zip(r.tokens[m], r.tokens[truth]))
+        / sum(len(r.tokens[truth]) for r in results.values())
+        for m in ("exact_resume", "replay")
+    }
+    print(
+        f"first token equal to {truth.replace('_', ' ')}: exact resume "
+        f"{agree['exact_resume']:.0%}, bounded replay {agree['replay']:.0%} "
+        "(random weights: a worst case for replay)"
+    )
+
+
 async def profile_turns(
     cached_engine: Any,
-    cold_engine: Any,
+    cold_engine: Any | None,
     prefixes: dict[int, list[int]],
     args: argparse.Namespace,
     rng: random.Random,
 ) -> list[tuple[str, DeviceProfile]]:
     """cProfile of the device thread: the replay turn 2 at the shortest and the longest prefix,
-    and the full recompute at the longest."""
+    and the full recompute at the longest (unless skipped)."""
     vocab = V4_REPLAY["vocab_size"]
     lo, hi = min(prefixes), max(prefixes)
     out = []
@@ -221,6 +282,8 @@ async def profile_turns(
         with DeviceProfile(cached_engine, lambda _: True) as replay:
             await one_token(cached_engine, prompt)
         out.append((f"turn 2 after an SWA miss, bounded replay, prefix {p}", replay))
+    if cold_engine is None:
+        return out
     prompt = prefixes[hi] + [rng.randrange(2, vocab) for _ in range(args.new_tokens)]
     with DeviceProfile(cold_engine, lambda _: True) as full:
         await one_token(cold_engine, prompt)
@@ -235,7 +298,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9, help="runs of exact resume and replay")
     p.add_argument("--full-repeats", type=int, default=3, help="runs of the full recompute")
     p.add_argument(
-        "--hidden", type=int, default=128, help="hidden and expert width: the per-token work"
+        "--skip-full", action="store_true", help="leave the full recompute out (minutes at 16K)"
+    )
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=512,
+        help="hidden and expert width: the per-token work (see above)",
     )
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--max-batched-tokens", type=int, default=2048)

@@ -132,7 +132,7 @@ class Engine:
                 f"the request needs {total} tokens of KV memory; the pool holds {self.kv.capacity_tokens()}"
             )
         vocab = self.runner.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",

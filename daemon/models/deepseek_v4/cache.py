@@ -79,6 +79,13 @@ class CompressorState:
     block_ovl_gate: torch.Tensor | None = None
 
 
+def entry_rows(table: list[int], count: int, per_block: int) -> torch.Tensor:
+    """Rows of a request's first `count` compressed entries in `entries.view(-1, dim)`, in
+    window order: [count]."""
+    blocks = torch.tensor(table[: -(-count // per_block)], dtype=torch.long)
+    return (blocks[:, None] * per_block + torch.arange(per_block)).flatten()[:count]
+
+
 @dataclass
 class V4SeqMeta:
     q_start: int
@@ -91,13 +98,131 @@ class V4SeqMeta:
     replay: bool = False  # bounded replay: compressors untouched, window from window_floor
     window_floor: int = 0
     fresh: bool = False  # first step of a request: reset its per-request state
+    # a chunk (not a batched decode): rows of the entries visible at its end, per kind
+    entry_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and not self.replay
+
+    def to(self, device: torch.device) -> V4SeqMeta:
+        self.entry_rows = {k: v.to(device, non_blocking=True) for k, v in self.entry_rows.items()}
+        return self
+
+
+@dataclass
+class DecodeEntries:
+    """The batched decodes' compressed entries of one kind (csa or hca), as index tensors
+    built once per step on the host and shared by every layer of that kind."""
+
+    rows: torch.Tensor  # [B, E] entry rows of each request, padded with row 0 to the longest
+    counts: torch.Tensor  # [B] entries each request sees, (position + 1) // rate
+    padding: torch.Tensor | None  # [B, E] True past a request's count; None when none is
+    longest: int
+    shortest: int
+    buffer_rows: torch.Tensor  # [B] the token's row in `buf_kv.view(-1, C)`: its open window's slot
+    closing: torch.Tensor  # [C] decodes whose token closes a window
+    closing_state: torch.Tensor  # [C] their state blocks
+    closed_rows: torch.Tensor  # [C] entry row of each closed window
+    closed_positions: torch.Tensor  # [C] first position of each closed window (its RoPE)
+    block_ends: torch.Tensor  # [C'] indices into `closing`: windows that end a paged block
+    end_blocks: torch.Tensor  # [C'] the paged block each of those ends
+    # RoPE cos/sin at closed_positions: made by the first layer that needs it, then shared
+    closed_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        tables: list[list[int]],
+        positions: list[int],
+        state_blocks: torch.Tensor,
+        rate: int,
+        per_block: int,
+    ) -> DecodeEntries:
+        counts = [(p + 1) // rate for p in positions]
+        longest = max(counts)
+        nblocks = -(-longest // per_block)
+        padded = [t[: -(-c // per_block)] for t, c in zip(tables, counts)]
+        index = torch.tensor([t + [0] * (nblocks - len(t)) for t in padded], dtype=torch.long)
+        rows = (index[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, :longest]
+        counts_t = torch.tensor(counts, dtype=torch.long)
+        padding = None
+        if min(counts) < longest:
+            padding = torch.arange(longest)[None, :] >= counts_t[:, None]
+        closing = [i for i, p in enumerate(positions) if (p + 1) % rate == 0]
+        windows = [counts[i] - 1 for i in closing]
+        ends = [j for j, w in enumerate(windows) if (w + 1) % per_block == 0]
+        closing_t = torch.tensor(closing, dtype=torch.long)
+        return cls(
+            rows=rows,
+            counts=counts_t,
+            padding=padding,
+            longest=longest,
+            shortest=min(counts),
+            buffer_rows=state_blocks * rate + torch.tensor([p % rate for p in positions]),
+            closing=closing_t,
+            closing_state=state_blocks[closing_t],
+            closed_rows=torch.tensor(
+                [
+                    tables[i][w // per_block] * per_block + w % per_block
+                    for i, w in zip(closing, windows)
+                ],
+                dtype=torch.long,
+            ),
+            closed_positions=torch.tensor([w * rate for w in windows], dtype=torch.long),
+            block_ends=torch.tensor(ends, dtype=torch.long),
+            end_blocks=torch.tensor(
+                [tables[closing[j]][windows[j] // per_block] for j in ends], dtype=torch.long
+            ),
+        )
+
+    def to(self, device: torch.device) -> DecodeEntries:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device, non_blocking=True))
+        return self
+
+
+@dataclass
+class V4Decodes:
+    """Every one-token step of the batch, as index tensors shared by all layers."""
+
+    rows: torch.Tensor | slice  # their rows in the flat token batch
+    new_rows: torch.Tensor  # [B] ring row (in `ring.view(-1, dim)`) each new token goes to
+    window_rows: torch.Tensor  # [B, W] ring rows of each window, the new token last
+    window_padding: torch.Tensor | None  # [B, W] True before position 0; None when none is
+    state_blocks: torch.Tensor  # [B]
+    entries: dict[str, DecodeEntries] = field(default_factory=dict)  # by kind
+
+    def to(self, device: torch.device) -> V4Decodes:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device, non_blocking=True))
+        for value in self.entries.values():
+            value.to(device)
+        return self
 
 
 @dataclass
 class V4Batch:
     seqs: list[V4SeqMeta] = field(default_factory=list)
+    decodes: V4Decodes | None = None
+    # RoPE cos/sin of the step's positions by id of the rope: made by the first layer
+    # that needs them, then shared by every other
+    rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> list[V4SeqMeta]:
+        """The sequences that are not batched decodes: prefill chunks and replays."""
+        return [s for s in self.seqs if not s.is_decode]
 
     def to(self, device: torch.device) -> V4Batch:
+        if device.type == "cpu":
+            return self
+        for seq in self.chunks:
+            seq.to(device)
+        if self.decodes is not None:
+            self.decodes.to(device)
         return self
 
 
@@ -110,6 +235,8 @@ class V4Cache:
         self.cfg = cfg
         self.group_index = {g.spec.name: i for i, g in enumerate(groups)}
         self.ring = ring_size(cfg)
+        # compressed entries per paged block, by kind
+        self.per_block = {k: cfg.block_tokens // r for k, r in cfg.compress_rates.items()}
         n_swa = by_name[SWA][1]
         self.swa = [
             torch.zeros(n_swa, self.ring, cfg.head_dim, dtype=dtype, device=device)
@@ -159,21 +286,58 @@ class V4Cache:
         batch = V4Batch()
         for s in seqs:
             tables = s.block_tables
-            batch.seqs.append(
-                V4SeqMeta(
-                    q_start=s.q_start,
-                    start=s.start,
-                    num_tokens=s.num_tokens,
-                    swa_block=tables[gi[SWA]][0],
-                    state_block=tables[gi[STATE]][0] if STATE in gi else -1,
-                    csa_table=tables[gi[CSA]] if CSA in gi else [],
-                    hca_table=tables[gi[HCA]] if HCA in gi else [],
-                    replay=s.replay,
-                    window_floor=s.window_floor,
-                    fresh=s.start == 0 and not s.replay,
-                )
+            meta = V4SeqMeta(
+                q_start=s.q_start,
+                start=s.start,
+                num_tokens=s.num_tokens,
+                swa_block=tables[gi[SWA]][0],
+                state_block=tables[gi[STATE]][0] if STATE in gi else -1,
+                csa_table=tables[gi[CSA]] if CSA in gi else [],
+                hca_table=tables[gi[HCA]] if HCA in gi else [],
+                replay=s.replay,
+                window_floor=s.window_floor,
+                fresh=s.start == 0 and not s.replay,
             )
+            if not meta.is_decode:
+                end = meta.start + meta.num_tokens
+                for kind, table in ((CSA, meta.csa_table), (HCA, meta.hca_table)):
+                    if kind in gi:
+                        rate = self.cfg.compress_rates[kind]
+                        meta.entry_rows[kind] = entry_rows(table, end // rate, self.per_block[kind])
+            batch.seqs.append(meta)
+        decodes = [s for s in batch.seqs if s.is_decode]
+        if decodes:
+            batch.decodes = self._decodes(decodes)
         return batch
+
+    def _decodes(self, seqs: list[V4SeqMeta]) -> V4Decodes:
+        w, ring = self.cfg.sliding_window, self.ring
+        q_rows = [s.q_start for s in seqs]
+        first = q_rows[0]
+        contiguous = q_rows == list(range(first, first + len(seqs)))
+        positions = [s.start for s in seqs]
+        pos = torch.tensor(positions, dtype=torch.long)
+        swa = torch.tensor([s.swa_block for s in seqs], dtype=torch.long)
+        window = pos[:, None] + torch.arange(1 - w, 1)
+        state_blocks = torch.tensor([s.state_block for s in seqs], dtype=torch.long)
+        decodes = V4Decodes(
+            rows=slice(first, first + len(seqs)) if contiguous else torch.tensor(q_rows),
+            new_rows=swa * ring + pos % ring,
+            window_rows=swa[:, None] * ring + window.clamp(min=0) % ring,
+            window_padding=window < 0 if min(positions) < w - 1 else None,
+            state_blocks=state_blocks,
+        )
+        for kind in (CSA, HCA):
+            if kind in self.group_index:
+                tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
+                decodes.entries[kind] = DecodeEntries.build(
+                    tables,
+                    positions,
+                    state_blocks,
+                    self.cfg.compress_rates[kind],
+                    self.per_block[kind],
+                )
+        return decodes
 
     def reset_request(self, seq: V4SeqMeta) -> None:
         """A new request took this state block: no open windows, no overlap yet."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from daemon.models.deepseek_v4.blocks import FP32RMSNorm, InterleavedRope
-from daemon.models.deepseek_v4.cache import CompressorState
+from daemon.models.deepseek_v4.cache import CompressorState, DecodeEntries
 
 
 class Compressor(nn.Module):
@@ -33,11 +33,12 @@ class Compressor(nn.Module):
         start: int,
         st: CompressorState,
         state_block: int,
-        table: list[int],
+        rows: torch.Tensor,
         rope: InterleavedRope,
     ) -> None:
         """Feed one request's projected tokens at positions [start, start+n); write the
-        entries of every window they close into the paged storage."""
+        entries of every window they close to their `rows` (the request's entry rows up to
+        the last window closed)."""
         m, dim = self.rate, self.dim
         buffered = start % m
         kv = torch.cat((st.buf_kv[state_block, :buffered], kv.float()))
@@ -68,96 +69,47 @@ class Compressor(nn.Module):
         first = (start - buffered) // m
         positions = torch.arange(first, first + windows, device=kv.device) * m
         entries = rope.apply(entries, *rope.cos_sin(positions))
-        self._store(entries, first, st, table, chunk_kv, chunk_gate)
+        new_rows = rows[first:]
+        st.entries.view(-1, dim).index_copy_(0, new_rows, entries.to(st.entries.dtype))
+        if self.overlap:
+            # a window that ends a block: its Ca half is the overlap a resume there needs
+            per_block = st.entries.shape[1]
+            ends = list(range((per_block - 1 - first) % per_block, windows, per_block))
+            if ends:
+                blocks = new_rows[ends] // per_block
+                st.block_ovl_kv[blocks] = chunk_kv[ends, :, :dim]
+                st.block_ovl_gate[blocks] = chunk_gate[ends, :, :dim]
 
     def update_decode(
         self,
         kv: torch.Tensor,
         gate: torch.Tensor,
-        positions: list[int],
         st: CompressorState,
-        state_blocks: list[int],
-        tables: list[list[int]],
+        state_blocks: torch.Tensor,
+        d: DecodeEntries,
         rope: InterleavedRope,
     ) -> None:
         """One token for each of B requests (kv, gate: [B, C]); closes the windows that end."""
-        m, dim, dev = self.rate, self.dim, kv.device
-        blocks = torch.tensor(state_blocks, device=dev)
-        slots = torch.tensor([p % m for p in positions], device=dev)
-        st.buf_kv[blocks, slots] = kv.float()
-        st.buf_gate[blocks, slots] = gate.float()
-        closing = [i for i, p in enumerate(positions) if (p + 1) % m == 0]
-        if not closing:
+        width = st.buf_kv.shape[-1]
+        st.buf_kv.view(-1, width).index_copy_(0, d.buffer_rows, kv.float())
+        st.buf_gate.view(-1, width).index_copy_(0, d.buffer_rows, gate.float())
+        if not d.closing.numel():
             return
-        sb = blocks[closing]
-        chunk_kv = st.buf_kv[sb]
-        chunk_gate = st.buf_gate[sb] + self.position_bias.float()
+        dim, sb = self.dim, d.closing_state
+        chunk_kv = st.buf_kv.index_select(0, sb)
+        chunk_gate = st.buf_gate.index_select(0, sb) + self.position_bias.float()
         if self.overlap:
-            pooled_kv = torch.cat((st.ovl_kv[sb], chunk_kv[..., dim:]), dim=1)
-            pooled_gate = torch.cat((st.ovl_gate[sb], chunk_gate[..., dim:]), dim=1)
-            st.ovl_kv[sb] = chunk_kv[..., :dim]
-            st.ovl_gate[sb] = chunk_gate[..., :dim]
+            pooled_kv = torch.cat((st.ovl_kv.index_select(0, sb), chunk_kv[..., dim:]), dim=1)
+            pooled_gate = torch.cat((st.ovl_gate.index_select(0, sb), chunk_gate[..., dim:]), dim=1)
+            st.ovl_kv.index_copy_(0, sb, chunk_kv[..., :dim])
+            st.ovl_gate.index_copy_(0, sb, chunk_gate[..., :dim])
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
         entries = self.kv_norm((pooled_kv * pooled_gate.softmax(dim=1)).sum(dim=1))
-        windows = [(positions[i] + 1) // m - 1 for i in closing]
-        entries = rope.apply(entries, *rope.cos_sin(torch.tensor(windows, device=dev) * m))
-        per_block = st.entries.shape[1]
-        paged = torch.tensor(
-            [tables[i][w // per_block] for i, w in zip(closing, windows)], device=dev
-        )
-        offsets = torch.tensor([w % per_block for w in windows], device=dev)
-        st.entries[paged, offsets] = entries.to(st.entries.dtype)
-        if self.overlap:
-            ends = [j for j, w in enumerate(windows) if (w + 1) % per_block == 0]
-            if ends:
-                st.block_ovl_kv[paged[ends]] = chunk_kv[ends, :, :dim]
-                st.block_ovl_gate[paged[ends]] = chunk_gate[ends, :, :dim]
-
-    @staticmethod
-    def gather_padded(
-        st: CompressorState, tables: list[list[int]], counts: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries of B requests padded to the longest: [B, E, dim] and the valid mask [B, E]."""
-        per_block = st.entries.shape[1]
-        dev = st.entries.device
-        longest = max(counts)
-        nblocks = -(-longest // per_block)
-        index = torch.zeros(len(tables), nblocks, dtype=torch.long)
-        for i, (table, count) in enumerate(zip(tables, counts)):
-            used = -(-count // per_block)
-            index[i, :used] = torch.tensor(table[:used], dtype=torch.long)
-        entries = st.entries[index.to(dev)].flatten(1, 2)[:, :longest]
-        valid = (
-            torch.arange(longest, device=dev)[None, :] < torch.tensor(counts, device=dev)[:, None]
-        )
-        return entries, valid
-
-    def _store(
-        self,
-        entries: torch.Tensor,
-        first: int,
-        st: CompressorState,
-        table: list[int],
-        chunk_kv: torch.Tensor,
-        chunk_gate: torch.Tensor,
-    ) -> None:
-        per_block = st.entries.shape[1]
-        index = torch.arange(first, first + entries.shape[0], device=entries.device)
-        blocks = torch.tensor(table, dtype=torch.long, device=entries.device)[index // per_block]
-        st.entries[blocks, index % per_block] = entries.to(st.entries.dtype)
-        if self.overlap:
-            # a window that ends a block: its Ca half is the overlap a resume there needs
-            ends = ((index + 1) % per_block == 0).nonzero().flatten()
-            if ends.numel():
-                st.block_ovl_kv[blocks[ends]] = chunk_kv[ends, :, : self.dim]
-                st.block_ovl_gate[blocks[ends]] = chunk_gate[ends, :, : self.dim]
-
-    @staticmethod
-    def gather(st: CompressorState, table: list[int], count: int) -> torch.Tensor:
-        """The first `count` entries of a request, in order: [count, dim]."""
-        per_block = st.entries.shape[1]
-        blocks = torch.tensor(
-            table[: -(-count // per_block)], dtype=torch.long, device=st.entries.device
-        )
-        return st.entries[blocks].flatten(0, 1)[:count]
+        if d.closed_rope is None:
+            d.closed_rope = rope.cos_sin(d.closed_positions)
+        entries = rope.apply(entries, *d.closed_rope)
+        st.entries.view(-1, dim).index_copy_(0, d.closed_rows, entries.to(st.entries.dtype))
+        if self.overlap and d.block_ends.numel():
+            st.block_ovl_kv[d.end_blocks] = chunk_kv[d.block_ends, :, :dim]
+            st.block_ovl_gate[d.end_blocks] = chunk_gate[d.block_ends, :, :dim]

@@ -14,6 +14,7 @@ from daemon.models.deepseek_v4.blocks import (
     HyperHead,
     InterleavedRope,
     MoE,
+    column_major,
 )
 from daemon.models.deepseek_v4.cache import V4Batch, V4Cache
 from daemon.models.deepseek_v4.config import V4Config
@@ -61,6 +62,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = FP32RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = nn.Parameter(column_major(cfg.vocab_size, cfg.hidden_size))
         # multi-token-prediction weights, kept as loaded for speculative decoding
         self.mtp = nn.ParameterDict()
 
@@ -90,10 +92,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, batch, cache)
-        return self.norm(self.hc_head(streams))
+        return streams
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Residual streams [N, hc, D] of the rows to sample (the forward returns every row's)
+        -> logits: the head's collapse and norm run on these rows only."""
+        return self.lm_head(self.norm(self.hc_head(streams))).float()
 
     # ---- checkpoint loading -------------------------------------------------------------
 
