@@ -159,7 +159,9 @@ def paged_attention(
 
         def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, Hkv, blocks * block_size, D]
             paged = cache.view(-1, batch.block_size, *cache.shape[1:])
-            return paged[blocks].flatten(1, 2).transpose(1, 2)
+            # index_select: on CPU several times faster than advanced indexing
+            rows = paged.index_select(0, blocks.flatten())
+            return rows.view(b, -1, *cache.shape[1:]).transpose(1, 2)
 
         kd, vd = gather(k_cache), gather(v_cache)
         qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
@@ -176,8 +178,8 @@ def paged_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
-            ks = k_cache[p.kv_index].transpose(0, 1)
-            vs = v_cache[p.kv_index].transpose(0, 1)
+            ks = k_cache.index_select(0, p.kv_index).transpose(0, 1)
+            vs = v_cache.index_select(0, p.kv_index).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )

@@ -14,7 +14,7 @@ from torch import nn
 
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
-from daemon.models.layers import RMSNorm, silu_and_mul
+from daemon.models.layers import RMSNorm, column_major, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
 
 
@@ -154,11 +154,10 @@ class DenseForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head.weight = nn.Parameter(column_major(cfg.vocab_size, cfg.hidden_size))
 
     @property
     def vocab_size(self) -> int:

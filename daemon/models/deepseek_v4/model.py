@@ -14,11 +14,11 @@ from daemon.models.deepseek_v4.blocks import (
     HyperHead,
     InterleavedRope,
     MoE,
-    column_major,
 )
 from daemon.models.deepseek_v4.cache import V4Batch, V4Cache
 from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.deepseek_v4.weights import Part, checkpoint_target
+from daemon.models.layers import column_major
 
 
 class V4DecoderLayer(nn.Module):
