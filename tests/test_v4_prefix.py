@@ -108,7 +108,8 @@ class TestBoundedReplayDivergence:
     """
 
     @pytest.fixture(scope="class")
-    def model(self, tmp_path_factory):
+    @classmethod
+    def model(cls, tmp_path_factory):
         from daemon.models.loader import load_model
 
         path = make_v4_checkpoint(
