@@ -210,6 +210,7 @@ def test_messages_errors_in_anthropic_shape(claude: anthropic.Anthropic) -> None
     "path,body",
     [
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 1000, "stream": True}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 1000, "stream": True, "n": 3}),
         ("/v1/responses", {"input": "go", "max_output_tokens": 1000, "stream": True}),
         ("/v1/messages", {"messages": USER, "max_tokens": 1000, "stream": True}),
     ],
