@@ -19,6 +19,7 @@ from daemon.models.deepseek_v4.blocks import (
     FP32RMSNorm,
     GroupedLinear,
     InterleavedRope,
+    rms_scale,
 )
 from daemon.models.deepseek_v4.cache import (
     DecodeEntries,
@@ -180,9 +181,8 @@ class V4Attention(nn.Module):
     def _queries(self, q: torch.Tensor) -> torch.Tensor:
         """Per-head RMS norm (no weight) of q [t, H, D], with the softmax scale D^-0.5 folded
         into its factor: one pass over q, and a contiguous result."""
-        norm = torch.linalg.vector_norm(q.float(), dim=-1, keepdim=True)  # no x^2 temporary
-        factor = norm.square_().div_(self.head_dim).add_(self.eps).rsqrt_()
-        return q * factor.mul_(self.head_dim**-0.5).to(q.dtype)
+        factor = rms_scale(q, self.eps).mul_(self.head_dim**-0.5)
+        return q * factor.unsqueeze(-1).to(q.dtype)
 
     def _attend(
         self,

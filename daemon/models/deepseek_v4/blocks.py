@@ -59,7 +59,8 @@ class InterleavedRope:
 
 
 def rms_scale(flat: torch.Tensor, eps: float) -> torch.Tensor:
-    """[T, C] -> [T]: the factor of a weightless RMSNorm, float32 (one pass over `flat`)."""
+    """[..., C] -> [...]: the factor of a weightless RMSNorm, float32 (one pass, no x^2
+    temporary)."""
     norm = torch.linalg.vector_norm(flat, dim=-1, dtype=torch.float32)
     return norm.square_().div_(flat.shape[-1]).add_(eps).rsqrt_()
 

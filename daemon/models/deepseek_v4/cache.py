@@ -86,6 +86,13 @@ def entry_rows(table: list[int], count: int, per_block: int) -> torch.Tensor:
     return (blocks[:, None] * per_block + torch.arange(per_block)).flatten()[:count]
 
 
+def _move_tensor_fields(obj: object, device: torch.device) -> None:
+    """Every tensor attribute of `obj` moved to `device` (asynchronously where it can)."""
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, value.to(device, non_blocking=True))
+
+
 @dataclass
 class V4SeqMeta:
     q_start: int
@@ -177,9 +184,7 @@ class DecodeEntries:
         )
 
     def to(self, device: torch.device) -> DecodeEntries:
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.to(device, non_blocking=True))
+        _move_tensor_fields(self, device)
         return self
 
 
@@ -195,9 +200,7 @@ class V4Decodes:
     entries: dict[str, DecodeEntries] = field(default_factory=dict)  # by kind
 
     def to(self, device: torch.device) -> V4Decodes:
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.to(device, non_blocking=True))
+        _move_tensor_fields(self, device)
         for value in self.entries.values():
             value.to(device)
         return self
