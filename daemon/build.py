@@ -44,7 +44,14 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     groups = model.kv_groups(dtype, cfg.block_size)
     kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
     runner = ModelRunner(
-        model, groups, kv.num_blocks, device, cfg.max_num_seqs, cfg.seed, _cpu_threads(cfg)
+        model,
+        groups,
+        kv.num_blocks,
+        device,
+        cfg.max_num_seqs,
+        cfg.seed,
+        _cpu_threads(cfg),
+        cuda_graphs=not cfg.enforce_eager,
     )
     prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
@@ -69,6 +76,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         kv_capacity_tokens=kv.capacity_tokens(),
         max_model_len=max_model_len,
         overlap=cfg.overlap,
+        cuda_graphs=runner.graphs is not None,
         host_cache_gb=cfg.host_cache_memory_gb if prefix else 0,
         kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
     )

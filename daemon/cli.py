@@ -44,6 +44,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=S,
         help="schedule each step only after the previous one's outputs are processed",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=S,
+        help="run every step eagerly (no CUDA graphs for decode steps)",
+    )
     g.add_argument("--dtype", default=S, help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default=S, help="auto | cpu | cuda | npu")
     g.add_argument("--seed", type=int, default=S)

@@ -19,6 +19,7 @@ from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
+from daemon.loop.cuda_graphs import DecodeGraphs
 from daemon.loop.prefix import CacheOps, RestoreOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
@@ -30,7 +31,7 @@ from daemon.loop.sampler import (
     sample,
 )
 from daemon.loop.scheduler import SchedulerStep
-from daemon.models.attention import SeqSlice
+from daemon.models.attention import PagedKVCache, SeqSlice
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int = 0,
         cpu_threads: int = 0,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -85,6 +87,13 @@ class ModelRunner:
         self.device_module = torch.get_device_module(device) if device.type != "cpu" else None
         self.stream = self.device_module.Stream(device) if self.device_module else None
         self.after_forward: Callable[[], None] | None = None  # e.g. MoE load statistics
+        # decode steps by graph replay: CUDA and paged-attention (dense) models only; the V4
+        # decode metadata changes shape from step to step
+        self.graphs = (
+            DecodeGraphs(model, self.cache, device, max_num_seqs)
+            if cuda_graphs and device.type == "cuda" and isinstance(self.cache, PagedKVCache)
+            else None
+        )
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
@@ -191,7 +200,9 @@ class ModelRunner:
             save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
 
     @torch.inference_mode()
-    def execute(self, step: PreparedStep) -> StepResult:
+    def execute(self, step: PreparedStep, launched: Callable[[], None] | None = None) -> StepResult:
+        """Run one step. On an accelerator, `launched` is called once all of its work is queued
+        on the device, before this thread blocks on it."""
         if self.stream is None:
             result = self._execute(step)
             return StepResult([], []) if result is None else self._to_host(result, step.sampling)
@@ -209,6 +220,8 @@ class ModelRunner:
             )
             done = self.device_module.Event()
             done.record(self.stream)
+        if launched is not None:
+            launched()
         done.synchronize()
         return self._to_host(result, step.sampling)
 
@@ -223,9 +236,10 @@ class ModelRunner:
         if step.placeholder_rows.numel():
             rows = step.placeholder_rows.to(dev, non_blocking=True)
             input_ids[rows] = self.last_tokens[step.placeholder_slots.to(dev, non_blocking=True)]
-        hidden = self.model(
-            input_ids, step.positions.to(dev, non_blocking=True), step.attention.to(dev), self.cache
-        )
+        positions, attention = step.positions.to(dev, non_blocking=True), step.attention.to(dev)
+        hidden = self.graphs.run(input_ids, positions, attention) if self.graphs else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, attention, self.cache)
         if self.after_forward is not None:
             self.after_forward()
         for slot, prompt, outputs in step.new_penalty_states:

@@ -63,11 +63,14 @@ class SeqSlice:
 
 
 class PagedKVCache:
-    """K and V of every layer in flat slots: slot = block * block_size + offset."""
+    """K and V of every layer in flat slots: slot = block * block_size + offset. One block past
+    the pool's is scratch: padded rows of a CUDA-graph batch write their KV there."""
 
     def __init__(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> None:
         self.block_size = spec.block_size
-        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_slots = num_blocks * spec.block_size
+        self.scratch_slot = self.num_slots
+        shape = (self.num_slots + spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [
             (
                 torch.zeros(shape, dtype=spec.dtype, device=device),
@@ -77,8 +80,12 @@ class PagedKVCache:
         ]
 
     def block_views(self, group: int) -> list[torch.Tensor]:
-        """Every tensor of the (single) group, indexed by block on dim 0."""
-        return [t.view(-1, self.block_size, *t.shape[1:]) for kv in self.layers for t in kv]
+        """Every tensor of the (single) group, indexed by block on dim 0 (the pool's blocks)."""
+        return [
+            t[: self.num_slots].view(-1, self.block_size, *t.shape[1:])
+            for kv in self.layers
+            for t in kv
+        ]
 
     def build_attention(self, seqs: list[SeqSlice]) -> AttentionBatch:
         bs = self.block_size
