@@ -2,7 +2,8 @@
 
     event loop:  schedule N+1 ──submit──►  ... process outputs of N ... schedule N+2
     device:            [ forward+sample N ][ forward+sample N+1 ][ ...
-With overlap off, each step is scheduled only after the previous one's outputs are processed.
+On an accelerator the loop starts on N's outputs once N+1 is queued on the device. With
+overlap off, each step is scheduled only after the previous one's outputs are processed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import contextlib
 import itertools
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -40,6 +42,26 @@ log = structlog.get_logger(__name__)
 class RequestObserver(Protocol):
     def on_token(self, req: Request) -> None: ...
     def on_finished(self, req: Request) -> None: ...
+
+
+@dataclass
+class Inflight:
+    """A step (None: cache ops run while idle) handed to the device thread."""
+
+    step: SchedulerStep | None
+    ops: CacheOps
+    future: asyncio.Future
+    launched: asyncio.Future | None = None  # resolved once its work is queued on the device
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Callable[[], None]:
+    """A callable for the device thread that resolves `launched` on the loop."""
+
+    def resolve() -> None:
+        if not launched.done():
+            launched.set_result(None)
+
+    return lambda: loop.call_soon_threadsafe(resolve)
 
 
 class RequestRejected(ValueError):
@@ -266,8 +288,11 @@ class Engine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         prefix = self.scheduler.prefix
-        # (step or None for cache ops run while idle, its cache ops, the worker's future)
-        inflight: deque[tuple[SchedulerStep | None, CacheOps, asyncio.Future]] = deque()
+        # accelerators: the loop's work for step N waits until step N+1 is queued on the
+        # device; else the two threads' Python would take turns on the GIL instead of the
+        # loop's turn overlapping the device's
+        signal = self.overlap and self.runner.stream is not None
+        inflight: deque[Inflight] = deque()
         try:
             while True:
                 step = None
@@ -276,21 +301,29 @@ class Engine:
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
                 if step is not None:
                     prepared = self.runner.prepare(step, self.kv, ops)
-                    future = loop.run_in_executor(self._executor, self.runner.execute, prepared)
-                    inflight.append((step, ops, future))
+                    launched = loop.create_future() if signal else None
+                    args = (prepared, _resolver(loop, launched)) if launched else (prepared,)
+                    future = loop.run_in_executor(self._executor, self.runner.execute, *args)
+                    inflight.append(Inflight(step, ops, future, launched))
                     self.steps += 1
                 elif ops:
                     future = loop.run_in_executor(
                         self._executor, self.runner.execute_cache_ops, ops
                     )
-                    inflight.append((None, ops, future))
+                    inflight.append(Inflight(None, ops, future))
                 if inflight and (step is None or len(inflight) > 1 or not self.overlap):
-                    done, done_ops, future = inflight.popleft()
-                    result = await future
+                    done = inflight.popleft()
+                    result = await done.future
+                    if inflight and inflight[0].launched is not None:
+                        following = inflight[0]
+                        await asyncio.wait(
+                            (following.launched, following.future),
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
                     if prefix is not None:
-                        prefix.completed(done_ops)
-                    if done is not None:
-                        self._process(done, result)
+                        prefix.completed(done.ops)
+                    if done.step is not None:
+                        self._process(done.step, result)
                 elif not inflight:
                     self._wakeup.clear()
                     if not self.scheduler.has_work:
