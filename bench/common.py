@@ -147,13 +147,14 @@ def build_ours(
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
     cpu_threads: int = 0,
+    device: str = "cpu",
 ) -> Any:
     from daemon.build import build_engine
     from daemon.config import EngineConfig
 
     cfg = EngineConfig(
         model=str(path),
-        device="cpu",
+        device=device,
         kv_cache_memory_gb=kv_cache_memory_gb,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,

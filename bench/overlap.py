@@ -40,7 +40,9 @@ async def bench(args: argparse.Namespace) -> None:
         args.seed,
     )
     print(f"model: {spec.describe()}")
-    print(f"forward threads: {args.device_threads or 'all cores'} (both engines)")
+    print(
+        f"device {args.device}; forward threads: {args.device_threads or 'all cores'} (both engines)"
+    )
     print(
         f"workload: {len(workload)} requests, prompt {args.prompt_len}, output {args.output_len} "
         f"({sum(r.max_tokens for r in workload)} output tokens), seed {args.seed}; {machine()}"
@@ -54,6 +56,7 @@ async def bench(args: argparse.Namespace) -> None:
             args.max_num_seqs,
             args.max_num_batched_tokens,
             args.device_threads,
+            args.device,
         )
         for flag in (True, False)
     }
@@ -94,6 +97,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--device", default="cpu", help="cpu | cuda | npu (both engines)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", default="16-64")
     p.add_argument("--output-len", default="128-256")

@@ -114,6 +114,12 @@ async def run_ours(engine: Any, batch: list[list[int]], max_tokens: int) -> Run:
     return Run(list(outs), end - t0, prefill, (end - t0 - prefill) / max(max_tokens - 1, 1))
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize()
+
+
 def run_hf(model: Any, batch: list[list[int]], max_tokens: int) -> Run:
     """One `generate` call on the whole (unpadded) batch; a streamer notes the first token."""
     from transformers.generation.streamers import BaseStreamer
@@ -125,12 +131,13 @@ def run_hf(model: Any, batch: list[list[int]], max_tokens: int) -> Run:
         def put(self, value: Any) -> None:
             self.calls += 1
             if self.calls == 2:  # the first call carries the prompt
+                synchronize(value.device)
                 self.first = time.perf_counter()
 
         def end(self) -> None:
             pass
 
-    ids = torch.tensor(batch, dtype=torch.long)
+    ids = torch.tensor(batch, dtype=torch.long, device=model.device)
     streamer = FirstToken()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -143,6 +150,7 @@ def run_hf(model: Any, batch: list[list[int]], max_tokens: int) -> Run:
             pad_token_id=0,
             streamer=streamer,
         )
+    synchronize(ids.device)
     end = time.perf_counter()
     prefill = streamer.first - t0
     decode = (end - t0 - prefill) / max(max_tokens - 1, 1)
@@ -185,13 +193,13 @@ async def bench(args: argparse.Namespace) -> None:
     quiet_logs()
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="deepinfer-v4-bench-"))
-    print("model:", describe(V4_BENCH), "|", machine())
+    print("model:", describe(V4_BENCH), "|", machine(), "| device", args.device)
     path = make_bench_checkpoint(root)
     top = max(args.concurrency)
     engine, _ = build_engine(
         EngineConfig(
             model=str(path),
-            device="cpu",
+            device=args.device,
             kv_cache_memory_gb=args.kv_gb,
             max_num_seqs=max(top, 2),
             max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
@@ -203,7 +211,7 @@ async def bench(args: argparse.Namespace) -> None:
     print(
         f"engine forward threads {forward_threads(engine)}, transformers {torch.get_num_threads()}"
     )
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
     vocab = V4_BENCH["vocab_size"]
     await engine.start()
     seed = iter(range(1_000_000))
@@ -261,6 +269,7 @@ async def bench(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | npu (both systems)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
