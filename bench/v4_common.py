@@ -1,5 +1,6 @@
-"""Helpers shared by the DeepSeek-V4 benchmarks: a cProfile of the engine's device thread and a
-per-step breakdown of where its time goes (attention, indexer, compressors, MoE, ...)."""
+"""Helpers shared by the DeepSeek-V4 benchmarks: a cProfile of the engine's device thread with a
+per-step breakdown of where its time goes (attention, indexer, compressors, MoE, ...), and the
+model's FLOPs per token and per run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 
 # (label, file fragment, function names): cumulative time of these functions, as found; names
 # that do not exist (yet, or any more) in the engine are skipped
@@ -141,3 +144,37 @@ def forward_threads(engine: Any) -> int:
 def is_decode_step(step: Any) -> bool:
     """Every sequence of the prepared step computes exactly one token."""
     return step.input_ids.numel() == len(step.attention.seqs)
+
+
+def work_per_token(cfg: V4Config, context: int) -> tuple[float, float]:
+    """FLOPs of one token at `context` tokens of context: (the model without lm_head and
+    without the indexer's scoring, the indexer scoring every closed CSA entry). Counts the
+    matmuls: projections, the routed experts and the shared one, hyper-connection mixes,
+    attention over the window (or the context, while shorter), the top-k CSA entries and every
+    HCA entry."""
+    h, hd, heads, ql = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    layer = h * ql + ql * heads * hd + h * hd + heads * hd * cfg.o_lora_rank
+    layer += cfg.o_groups * cfg.o_lora_rank * h + min(context, cfg.sliding_window) * heads * hd * 2
+    layer += (cfg.num_experts_per_tok + 1) * 3 * h * cfg.moe_intermediate_size
+    layer += h * cfg.num_experts + 2 * cfg.hc_mult * h * (2 + cfg.hc_mult) * cfg.hc_mult
+    model = index = 0
+    for kind in cfg.layer_types:
+        model += layer
+        if kind == CSA:
+            entries = context // cfg.csa_rate
+            model += 4 * h * hd + ql * ih * ihd + h * ih + 4 * h * ihd  # compressors, indexer q
+            model += min(cfg.index_topk, entries) * heads * hd * 2
+            index += entries * ih * (ihd + 1)
+        elif kind == HCA:
+            model += 2 * h * hd + context // cfg.hca_rate * heads * hd * 2
+    return 2.0 * model, 2.0 * index
+
+
+def run_flops(cfg: V4Config, requests: int, prompt: int, output: int) -> float:
+    """FLOPs of `requests` greedy requests: the prompt's prefill with lm_head on its last row,
+    then `output - 1` decode tokens with lm_head each (as `work_per_token` counts them)."""
+    lm_head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    prefill = sum(sum(work_per_token(cfg, c)) for c in range(1, prompt + 1)) + lm_head
+    decode = sum(sum(work_per_token(cfg, c)) + lm_head for c in range(prompt + 1, prompt + output))
+    return requests * (prefill + decode)

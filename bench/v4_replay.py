@@ -32,9 +32,9 @@ import torch
 from tqdm import tqdm
 
 from bench.common import machine, median, quiet_logs
-from bench.v4_common import DeviceProfile, engine_threads, forward_threads
+from bench.v4_common import DeviceProfile, engine_threads, forward_threads, work_per_token
 from bench.v4_kv_bytes import FLASH, default_layer_types
-from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
+from daemon.models.deepseek_v4.config import V4Config
 
 V4_REPLAY = dict(
     vocab_size=4096,
@@ -61,30 +61,6 @@ V4_REPLAY = dict(
 )
 
 MODES = ("exact_resume", "replay", "full")
-
-
-def work_per_token(cfg: V4Config, context: int) -> tuple[float, float]:
-    """FLOPs of one token at `context` tokens of context: (the model without lm_head and
-    without the indexer's scoring, the indexer scoring every closed CSA entry). Counts the
-    matmuls: projections, the routed experts and the shared one, hyper-connection mixes,
-    attention over the window, the top-k CSA entries and every HCA entry."""
-    h, hd, heads, ql = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.q_lora_rank
-    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-    layer = h * ql + ql * heads * hd + h * hd + heads * hd * cfg.o_lora_rank
-    layer += cfg.o_groups * cfg.o_lora_rank * h + cfg.sliding_window * heads * hd * 2
-    layer += (cfg.num_experts_per_tok + 1) * 3 * h * cfg.moe_intermediate_size
-    layer += h * cfg.num_experts + 2 * cfg.hc_mult * h * (2 + cfg.hc_mult) * cfg.hc_mult
-    model = index = 0
-    for kind in cfg.layer_types:
-        model += layer
-        if kind == CSA:
-            entries = context // cfg.csa_rate
-            model += 4 * h * hd + ql * ih * ihd + h * ih + 4 * h * ihd  # compressors, indexer q
-            model += min(cfg.index_topk, entries) * heads * hd * 2
-            index += entries * ih * (ihd + 1)
-        elif kind == HCA:
-            model += 2 * h * hd + context // cfg.hca_rate * heads * hd * 2
-    return 2.0 * model, 2.0 * index
 
 
 def indexer_share(c: dict[str, Any], context: int) -> str:

@@ -25,7 +25,15 @@ import torch
 from tqdm import tqdm
 
 from bench.common import machine, median, quiet_logs
-from bench.v4_common import DeviceProfile, engine_threads, forward_threads, is_decode_step
+from bench.v4_common import (
+    DeviceProfile,
+    engine_threads,
+    forward_threads,
+    is_decode_step,
+    run_flops,
+)
+from daemon.models.deepseek_v4.config import V4Config
+from daemon.models.loader import read_config
 
 # Small but with every V4 mechanism live: CSA (rate 4, indexer top-k below the entry count)
 # and HCA (rate 128) layers, a 128-token window, hash and routed MoE, 4 hyper-connection streams.
@@ -181,6 +189,27 @@ class Series:
         return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
+def work_floor(cfg: V4Config, series: dict[int, Series], args: argparse.Namespace) -> str:
+    """The run's FLOPs at this machine's fp32 matmul peak: the least time any implementation
+    needs here, and so the most any can gain over transformers' measured time."""
+    from bench.mfu import matmul_gflops
+
+    peak = max(matmul_gflops(2048, 2048, 2048, 3) for _ in range(5))  # the best rate seen
+    lines = [
+        f"work floor: fp32 matmul peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads, "
+        "2048^3, best of 5; the model's own shapes run slower)"
+    ]
+    for c, s in series.items():
+        flops = run_flops(cfg, c, args.prompt_len, args.output_len)
+        floor = flops / (peak * 1e9)
+        hf = median([r.seconds for r in s.hf])
+        lines.append(
+            f"{c:>10} concurrent: {flops / 1e9:.1f} GFLOP -> >= {floor:.2f} s at the peak; "
+            f"transformers {hf:.2f} s: no implementation gets past {hf / floor:.1f}x here"
+        )
+    return "\n".join(lines)
+
+
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -265,6 +294,8 @@ async def bench(args: argparse.Namespace) -> None:
             print(dec.report(f"our engine, decode steps at {top} concurrent", args.profile_top))
     finally:
         await engine.stop()
+    if args.device == "cpu":  # with the engine stopped: its threads are idle
+        print(work_floor(V4Config.from_hf(read_config(path)), series, args))
 
 
 def main() -> None:

@@ -45,7 +45,9 @@ def daemon(
     block kills the process if the test did not stop it."""
     port = free_port()
     cmd = [sys.executable, "-m", "daemon", "serve", "--port", str(port), *args]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    # the checkout first, then whatever the caller's PYTHONPATH holds (packages kept elsewhere)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = os.environ | {"PYTHONPATH": path}
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:

@@ -33,7 +33,8 @@ def prompts() -> list[list[int]]:
 
 
 def settings(checkpoint: Path, **overrides) -> EngineConfig:
-    base = dict(model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_seqs=8)
+    # gloo on the CPU: also on a machine with one GPU, which NCCL ranks could not share
+    base = dict(model=str(checkpoint), device="cpu", kv_cache_memory_gb=0.01, max_num_seqs=8)
     return EngineConfig(**(base | overrides))
 
 
