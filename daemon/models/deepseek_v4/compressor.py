@@ -65,20 +65,17 @@ class Compressor(nn.Module):
             st.ovl_gate[state_block] = chunk_gate[-1, :, :dim]
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
-        entries = self.kv_norm((pooled_kv * pooled_gate.softmax(dim=1)).sum(dim=1))
         first = (start - buffered) // m
         positions = torch.arange(first, first + windows, device=kv.device) * m
-        entries = rope.apply(entries, *rope.cos_sin(positions))
         new_rows = rows[first:]
-        st.entries.view(-1, dim).index_copy_(0, new_rows, entries.to(st.entries.dtype))
+        self._store(pooled_kv, pooled_gate, rope.cos_sin(positions), new_rows, st, rope)
         if self.overlap:
-            # a window that ends a block: its Ca half is the overlap a resume there needs
             per_block = st.entries.shape[1]
             ends = list(range((per_block - 1 - first) % per_block, windows, per_block))
             if ends:
-                blocks = new_rows[ends] // per_block
-                st.block_ovl_kv[blocks] = chunk_kv[ends, :, :dim]
-                st.block_ovl_gate[blocks] = chunk_gate[ends, :, :dim]
+                self._keep_block_overlap(
+                    st, new_rows[ends] // per_block, chunk_kv, chunk_gate, ends
+                )
 
     def update_decode(
         self,
@@ -105,11 +102,36 @@ class Compressor(nn.Module):
             st.ovl_gate.index_copy_(0, sb, chunk_gate[..., :dim])
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
-        entries = self.kv_norm((pooled_kv * pooled_gate.softmax(dim=1)).sum(dim=1))
         if d.closed_rope is None:
             d.closed_rope = rope.cos_sin(d.closed_positions)
-        entries = rope.apply(entries, *d.closed_rope)
-        st.entries.view(-1, dim).index_copy_(0, d.closed_rows, entries.to(st.entries.dtype))
+        self._store(pooled_kv, pooled_gate, d.closed_rope, d.closed_rows, st, rope)
         if self.overlap and d.block_ends.numel():
-            st.block_ovl_kv[d.end_blocks] = chunk_kv[d.block_ends, :, :dim]
-            st.block_ovl_gate[d.end_blocks] = chunk_gate[d.block_ends, :, :dim]
+            self._keep_block_overlap(st, d.end_blocks, chunk_kv, chunk_gate, d.block_ends)
+
+    def _store(
+        self,
+        pooled_kv: torch.Tensor,
+        pooled_gate: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+        st: CompressorState,
+        rope: InterleavedRope,
+    ) -> None:
+        """Pool each window's slots ([W, slots, dim], softmax over the gate), norm, rotate at
+        the window's first position and write the entries to their `rows`."""
+        entries = self.kv_norm((pooled_kv * pooled_gate.softmax(dim=1)).sum(dim=1))
+        entries = rope.apply(entries, *cos_sin)
+        st.entries.view(-1, self.dim).index_copy_(0, rows, entries.to(st.entries.dtype))
+
+    def _keep_block_overlap(
+        self,
+        st: CompressorState,
+        blocks: torch.Tensor,
+        chunk_kv: torch.Tensor,
+        chunk_gate: torch.Tensor,
+        windows: torch.Tensor | list[int],
+    ) -> None:
+        """CSA: the Ca half of a window that ends a paged block is the overlap a resume at
+        that block needs; kept per block."""
+        st.block_ovl_kv[blocks] = chunk_kv[windows, :, : self.dim]
+        st.block_ovl_gate[blocks] = chunk_gate[windows, :, : self.dim]
