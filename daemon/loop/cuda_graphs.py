@@ -42,7 +42,8 @@ def width_buckets(max_blocks: int) -> list[int]:
 
 @dataclass
 class StaticInputs:
-    """The buffers one graph reads; padded rows attend only their first (scratch) position."""
+    """The buffers one graph reads. Padded rows write their KV to the scratch slot and attend
+    one position (block 0's first, only read) so that their softmax stays finite."""
 
     input_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B]
