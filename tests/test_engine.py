@@ -83,6 +83,19 @@ async def test_batch_equals_alone_equals_transformers(
     assert all(o[-1].finish_reason == FinishReason.LENGTH for o in batched)
 
 
+async def test_waiting_for_each_launch_keeps_outputs(checkpoint, prompts, reference_outputs):
+    """The accelerator ordering (the loop handles step N once N+1 is queued), forced on the
+    CPU, where "queued" means done: same tokens, nothing stalls."""
+    engine = await started(checkpoint)
+    engine.runner.signals_launch = True
+    try:
+        batched = await asyncio.gather(*(collect(engine, p, GREEDY) for p in prompts))
+        assert engine.stats()["kv_blocks_free"] == engine.kv.num_blocks[0]
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in batched] == reference_outputs
+
+
 async def test_preemption_recomputes_to_the_same_output(checkpoint, prompts, reference_outputs):
     # 12 blocks of 16 tokens: every request fits alone, the batch does not.
     engine = await started(checkpoint, kv_cache_memory_gb=12 * BYTES_PER_BLOCK / 2**30)

@@ -291,7 +291,7 @@ class Engine:
         # accelerators: the loop's work for step N waits until step N+1 is queued on the
         # device; else the two threads' Python would take turns on the GIL instead of the
         # loop's turn overlapping the device's
-        signal = self.overlap and self.runner.stream is not None
+        signal = self.overlap and self.runner.signals_launch
         inflight: deque[Inflight] = deque()
         try:
             while True:

@@ -86,6 +86,9 @@ class ModelRunner:
         self.cpu_threads = cpu_threads if device.type == "cpu" else 0
         self.device_module = torch.get_device_module(device) if device.type != "cpu" else None
         self.stream = self.device_module.Stream(device) if self.device_module else None
+        # the engine waits for a step's launch before its loop work: only worth it where the
+        # launch returns before the device is done
+        self.signals_launch = self.stream is not None
         self.after_forward: Callable[[], None] | None = None  # e.g. MoE load statistics
         # decode steps by graph replay: CUDA and paged-attention (dense) models only; the V4
         # decode metadata changes shape from step to step
@@ -201,16 +204,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep, launched: Callable[[], None] | None = None) -> StepResult:
-        """Run one step. On an accelerator, `launched` is called once all of its work is queued
-        on the device, before this thread blocks on it."""
+        """Run one step; `launched` is called once all of its work is queued on the device,
+        before this thread blocks on it (on a CPU: once it is done)."""
         if self.stream is None:
             result = self._execute(step)
+            if launched is not None:
+                launched()
             return StepResult([], []) if result is None else self._to_host(result, step.sampling)
         # Accelerators: launch on our stream, copy the few result values to the
         # host asynchronously and block this worker thread (not the event loop) on an event.
         with self.device_module.stream(self.stream):
             result = self._execute(step)
             if result is None:
+                if launched is not None:
+                    launched()
                 return StepResult([], [])
             result = SampleResult(
                 *(
