@@ -51,6 +51,7 @@ class StaticInputs:
     tables: torch.Tensor  # [B, blocks]
     mask: torch.Tensor  # [B, 1, 1, blocks * block_size]
     block_size: int
+    scratch: int  # the KV slot padded rows write to
 
     @classmethod
     def allocate(
@@ -66,6 +67,7 @@ class StaticInputs:
             tables=torch.zeros(batch, blocks, **long),
             mask=mask,
             block_size=block_size,
+            scratch=scratch,
         )
 
     def attention(self) -> AttentionBatch:
@@ -73,15 +75,13 @@ class StaticInputs:
             self.slot_mapping, self.tables.shape[0], self.tables, self.mask, [], self.block_size
         )
 
-    def fill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, scratch: int
-    ) -> None:
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> None:
         n, blocks = batch.num_decodes, batch.decode_tables.shape[1]
         width = blocks * self.block_size
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.slot_mapping[n:].fill_(scratch)
+        self.slot_mapping[n:].fill_(self.scratch)
         self.tables[:n, :blocks].copy_(batch.decode_tables)
         self.tables[:n, blocks:].zero_()
         self.mask[:n, ..., :width].copy_(batch.decode_mask)
@@ -129,7 +129,7 @@ class DecodeGraphs:
             replay, hidden = self.record(inputs)
             captured = Captured(replay, inputs, hidden)
             self.graphs[(size, width)] = captured
-        captured.inputs.fill(input_ids, positions, batch, self.cache.scratch_slot)
+        captured.inputs.fill(input_ids, positions, batch)
         captured.replay()
         return captured.hidden[:n]
 

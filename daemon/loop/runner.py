@@ -215,20 +215,19 @@ class ModelRunner:
         # host asynchronously and block this worker thread (not the event loop) on an event.
         with self.device_module.stream(self.stream):
             result = self._execute(step)
-            if result is None:
-                if launched is not None:
-                    launched()
-                return StepResult([], [])
-            result = SampleResult(
-                *(
-                    None if t is None else t.to("cpu", non_blocking=True)
-                    for t in vars(result).values()
+            if result is not None:
+                result = SampleResult(
+                    *(
+                        None if t is None else t.to("cpu", non_blocking=True)
+                        for t in vars(result).values()
+                    )
                 )
-            )
-            done = self.device_module.Event()
-            done.record(self.stream)
+                done = self.device_module.Event()
+                done.record(self.stream)
         if launched is not None:
             launched()
+        if result is None:
+            return StepResult([], [])
         done.synchronize()
         return self._to_host(result, step.sampling)
 

@@ -69,7 +69,6 @@ class PagedKVCache:
     def __init__(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> None:
         self.block_size = spec.block_size
         self.num_slots = num_blocks * spec.block_size
-        self.scratch_slot = self.num_slots
         shape = (self.num_slots + spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [
             (
@@ -78,6 +77,11 @@ class PagedKVCache:
             )
             for _ in range(spec.num_layers)
         ]
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot past the pool's blocks."""
+        return self.num_slots
 
     def block_views(self, group: int) -> list[torch.Tensor]:
         """Every tensor of the (single) group, indexed by block on dim 0 (the pool's blocks)."""
