@@ -51,7 +51,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         cfg.max_num_seqs,
         cfg.seed,
         _cpu_threads(cfg),
-        cuda_graphs=not cfg.enforce_eager,
+        cuda_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
     )
     prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)

@@ -1,9 +1,11 @@
-"""CUDA graphs for the decode-only steps of paged-attention models: one captured forward per
-(batch, KV width) bucket, replayed after the step's inputs are copied into its static buffers.
+"""CUDA graphs for decode-only steps: one captured forward per bucket of shapes, replayed after
+the step's inputs are copied into its static buffers. Paged-attention models: (batch, KV width)
+buckets; DeepSeek-V4: (batch, context positions) buckets, the step's metadata already padded to
+them on the host.
 
 A small model's eager forward is bound by kernel launches from Python, which also hold the GIL
 the event loop needs; a replay is one launch, so the device works while the loop schedules.
-Padded rows write their KV to a scratch slot that no block table references.
+Padded rows write their KV (V4: all their state) to scratch rows that no block table references.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from daemon.models.attention import AttentionBatch, PagedKVCache
+from daemon.models.deepseek_v4.cache import DecodeShape, DecodeShapes, V4Batch, V4Cache, V4Decodes
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -38,6 +41,12 @@ def width_buckets(max_blocks: int) -> list[int]:
         out.append(width)
         width *= 2
     return out + [max_blocks]
+
+
+def position_buckets(block_tokens: int, max_len: int) -> list[int]:
+    """V4 context buckets: `block_tokens` times powers of two, up to `max_len` rounded up to
+    whole blocks (compressed entry counts, positions // rate, are then whole numbers)."""
+    return [block_tokens * w for w in width_buckets(-(-max_len // block_tokens))]
 
 
 @dataclass
@@ -93,7 +102,7 @@ class StaticInputs:
 @dataclass
 class Captured:
     replay: Callable[[], None]
-    inputs: StaticInputs
+    inputs: StaticInputs | V4StaticInputs
     hidden: torch.Tensor  # the forward's output [B, hidden]: valid until the next replay
 
 
@@ -133,17 +142,86 @@ class DecodeGraphs:
         captured.replay()
         return captured.hidden[:n]
 
-    def record(self, inputs: StaticInputs) -> tuple[Callable[[], None], torch.Tensor]:
-        """The forward on `inputs` captured as a CUDA graph: (its replay, its output)."""
-        attention = inputs.attention()
+    def record(
+        self, inputs: StaticInputs | V4StaticInputs
+    ) -> tuple[Callable[[], None], torch.Tensor]:
+        """The forward on `inputs` captured as a CUDA graph: (its replay, its output). Each
+        forward gets its own `inputs.attention()`: a model may cache per-step tables in it."""
         # one eager run on a side stream first: lazy initialisation must not be captured
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.model(inputs.input_ids, inputs.positions, attention, self.cache)
+            self.model(inputs.input_ids, inputs.positions, inputs.attention(), self.cache)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(inputs.input_ids, inputs.positions, attention, self.cache)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention(), self.cache)
         self.pool = graph.pool()
         return graph.replay, hidden
+
+
+@dataclass
+class V4StaticInputs:
+    """The buffers one DeepSeek-V4 graph reads: token ids, positions and the padded decode
+    metadata. Allocated with every row idle, so the capture's warm-up run writes only to the
+    scratch rows."""
+
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    counted: torch.Tensor  # [B] 1 for the step's rows, 0 for idle ones
+    decodes: V4Decodes
+    shape: DecodeShape
+
+    @classmethod
+    def allocate(cls, shape: DecodeShape, cache: V4Cache, device: torch.device) -> V4StaticInputs:
+        long = dict(dtype=torch.long, device=device)
+        return cls(
+            input_ids=torch.zeros(shape.batch, **long),
+            positions=torch.zeros(shape.batch, **long),
+            counted=torch.zeros(shape.batch, **long),
+            decodes=cache.idle_decodes(shape).to(device).buffers(),
+            shape=shape,
+        )
+
+    def attention(self) -> V4Batch:
+        return V4Batch(decodes=self.decodes.fresh(), shape=self.shape, counted=self.counted)
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch) -> None:
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:].zero_()
+        self.positions[:n].copy_(positions)
+        self.positions[n:].zero_()
+        self.counted[:n].fill_(1)
+        self.counted[n:].zero_()
+        self.decodes.fill(batch.decodes)
+
+
+class V4DecodeGraphs(DecodeGraphs):
+    """DeepSeek-V4 decode graphs: keyed by the shape the cache padded the step's decodes to
+    (it pads once these graphs give it their shapes)."""
+
+    def __init__(
+        self, model: nn.Module, cache: V4Cache, device: torch.device, max_batch: int
+    ) -> None:
+        self.model, self.cache, self.device = model, cache, device
+        self.graphs: dict[DecodeShape, Captured] = {}
+        self.pool: tuple[int, int] | None = None
+        cache.decode_shapes = DecodeShapes(
+            batch_buckets(max_batch), position_buckets(cache.cfg.block_tokens, model.max_model_len)
+        )
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch
+    ) -> torch.Tensor | None:
+        if batch.shape is None:
+            return None
+        captured = self.graphs.get(batch.shape)
+        if captured is None:
+            inputs = V4StaticInputs.allocate(batch.shape, self.cache, self.device)
+            replay, hidden = self.record(inputs)
+            captured = Captured(replay, inputs, hidden)
+            self.graphs[batch.shape] = captured
+        captured.inputs.fill(input_ids, positions, batch)
+        captured.replay()
+        return captured.hidden[: input_ids.shape[0]]

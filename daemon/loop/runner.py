@@ -19,7 +19,7 @@ from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
-from daemon.loop.cuda_graphs import DecodeGraphs
+from daemon.loop.cuda_graphs import DecodeGraphs, V4DecodeGraphs
 from daemon.loop.prefix import CacheOps, RestoreOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
@@ -32,6 +32,7 @@ from daemon.loop.sampler import (
 )
 from daemon.loop.scheduler import SchedulerStep
 from daemon.models.attention import PagedKVCache, SeqSlice
+from daemon.models.deepseek_v4.cache import V4Cache
 
 
 @dataclass
@@ -90,13 +91,13 @@ class ModelRunner:
         # launch returns before the device is done
         self.signals_launch = self.stream is not None
         self.after_forward: Callable[[], None] | None = None  # e.g. MoE load statistics
-        # decode steps by graph replay: CUDA and paged-attention (dense) models only; the V4
-        # decode metadata changes shape from step to step
-        self.graphs = (
-            DecodeGraphs(model, self.cache, device, max_num_seqs)
-            if cuda_graphs and device.type == "cuda" and isinstance(self.cache, PagedKVCache)
-            else None
-        )
+        # decode steps by graph replay, on CUDA
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            if isinstance(self.cache, PagedKVCache):
+                self.graphs = DecodeGraphs(model, self.cache, device, max_num_seqs)
+            elif isinstance(self.cache, V4Cache):
+                self.graphs = V4DecodeGraphs(model, self.cache, device, max_num_seqs)
 
     # ---- host side (event loop thread) ---------------------------------------------------
 

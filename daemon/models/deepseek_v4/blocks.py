@@ -13,6 +13,7 @@ from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.layers import column_major
 from daemon.models.rope import inv_freq_and_scaling
 from daemon.moe.ep import EPLayer
+from kernels.grouped_linear import grouped_linear_reference, triton_available
 
 
 class FP32RMSNorm(nn.Module):
@@ -195,16 +196,14 @@ def _grouped_mm_works(device_type: str) -> bool:
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [N, in] sorted by group, group e = rows ends[e-1]..ends[e] (int32); weight [E, out, in]
-    -> [N, out], each group through its own weight."""
+    -> [N, out], each group through its own weight. Where torch has no grouped GEMM for the
+    device and dtype, CUDA runs the Triton kernel (no host sync: graph-capturable; "meta",
+    a shape-only device, its fake) and a CPU one linear per group."""
     if _grouped_mm_works(x.device.type):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    out = x.new_empty(x.shape[0], weight.shape[1])
-    begin = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > begin:
-            out[begin:end] = F.linear(x[begin:end], weight[e])
-        begin = end
-    return out
+    if x.device.type in ("cuda", "meta") and triton_available():
+        return torch.ops.deepinfer.grouped_linear(x, weight, ends)
+    return grouped_linear_reference(x, weight, ends)
 
 
 class SharedExpert(nn.Module):
@@ -272,10 +271,14 @@ class MoE(nn.Module):
         self.track_load = True
         self.ep: EPLayer | None = None  # set when the experts are spread over ranks
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, counted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """counted: [T] 1 for the rows the load statistics count (None: every row)."""
         experts, weights = self.gate(x, input_ids)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        self._count(counts)
+        counts = self._bincount(experts)
+        if self.track_load:
+            self._count(counts if counted is None else self._bincount(experts, counted))
         shared = self.shared_experts(x)
         if self.ep is not None:
             return self.ep.forward(x, experts, weights) + shared
@@ -283,9 +286,16 @@ class MoE(nn.Module):
             return self._routed(x, experts, weights, counts).add_(shared)
         for i in range(0, x.shape[0], ROUTED_CHUNK):
             part = slice(i, i + ROUTED_CHUNK)
-            chunk_counts = torch.bincount(experts[part].flatten(), minlength=self.num_experts)
+            chunk_counts = self._bincount(experts[part])
             shared[part] += self._routed(x[part], experts[part], weights[part], chunk_counts)
         return shared
+
+    def _bincount(self, experts: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Pairs per expert, of the rows where `rows` [T] is 1 (default: all); torch.bincount
+        would read its input's maximum back on CUDA."""
+        flat = experts.flatten()
+        ones = torch.ones_like(flat) if rows is None else rows[:, None].expand_as(experts).flatten()
+        return flat.new_zeros(self.num_experts).scatter_add_(0, flat, ones)
 
     def _routed(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
@@ -339,15 +349,18 @@ class MoE(nn.Module):
         self.ep.forward(x, torch.empty(0, k, dtype=torch.long, device=device), x.new_empty(0, k))
 
     def _count(self, counts: torch.Tensor) -> None:
-        if not self.track_load:
-            return
-        # out of place: an inference-mode tensor cannot be updated in place outside that mode
-        self.load = counts.clone() if self.load is None else self.load + counts
+        # in place, in one tensor: a graph replay adds to it too; inference mode, as the
+        # counter may have been made in it
+        with torch.inference_mode():
+            if self.load is None:
+                self.load = torch.zeros_like(counts)
+            self.load.add_(counts)
 
     def take_load(self) -> torch.Tensor:
         """Routed pairs per expert since the last call (and start counting again)."""
-        load = (
-            self.load if self.load is not None else torch.zeros(self.num_experts, dtype=torch.long)
-        )
-        self.load = torch.zeros_like(load)
+        if self.load is None:
+            return torch.zeros(self.num_experts, dtype=torch.long)
+        with torch.inference_mode():
+            load = self.load.clone()
+            self.load.zero_()
         return load

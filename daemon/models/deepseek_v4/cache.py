@@ -8,11 +8,13 @@ Paged, one block per B tokens (B = lcm of the compress rates, 128 for real confi
   csa    B/4 compressed entries + B/4 indexer keys per CSA layer, and the overlap
          state at the block's end (what a resume from this boundary needs)
   hca    B/128 compressed entries per HCA layer
+Every tensor has one scratch row past the pool's (a ring, a state block, a paged block): the
+idle rows of a CUDA-graph decode batch, and windows that close nothing there, write to it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -86,11 +88,37 @@ def entry_rows(table: list[int], count: int, per_block: int) -> torch.Tensor:
     return (blocks[:, None] * per_block + torch.arange(per_block)).flatten()[:count]
 
 
+def _entry_table(
+    tables: list[list[int]], counts: list[int], width: int, per_block: int
+) -> torch.Tensor:
+    """[B, width] rows of each request's first `counts[i]` entries, padded with row 0."""
+    nblocks = -(-width // per_block)
+    padded = [t[: -(-c // per_block)] for t, c in zip(tables, counts)]
+    index = torch.tensor([t + [0] * (nblocks - len(t)) for t in padded], dtype=torch.long)
+    return (index[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, :width]
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The fixed shapes of a graph's decode batch: `batch` rows (the step's decodes, then idle
+    rows) and windows over `positions` (a multiple of the block tokens ≥ every position + 1)."""
+
+    batch: int
+    positions: int
+
+
 def _move_tensor_fields(obj: object, device: torch.device) -> None:
     """Every tensor attribute of `obj` moved to `device` (asynchronously where it can)."""
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device, non_blocking=True))
+
+
+def _copy_tensor_fields(dst: object, src: object) -> None:
+    """Every tensor attribute of `src` copied into `dst`'s tensor of the same name."""
+    for name, value in vars(src).items():
+        if isinstance(value, torch.Tensor):
+            getattr(dst, name).copy_(value, non_blocking=True)
 
 
 @dataclass
@@ -134,6 +162,8 @@ class DecodeEntries:
     closed_positions: torch.Tensor  # [C] first position of each closed window (its RoPE)
     block_ends: torch.Tensor  # [C'] indices into `closing`: windows that end a paged block
     end_blocks: torch.Tensor  # [C'] the paged block each of those ends
+    # fixed shapes (a graph's): `closing` is every row, True where a window really closes
+    closing_mask: torch.Tensor | None = None
     # RoPE cos/sin at closed_positions: made by the first layer that needs it, then shared
     closed_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -148,22 +178,17 @@ class DecodeEntries:
     ) -> DecodeEntries:
         counts = [(p + 1) // rate for p in positions]
         longest = max(counts)
-        nblocks = -(-longest // per_block)
-        padded = [t[: -(-c // per_block)] for t, c in zip(tables, counts)]
-        index = torch.tensor([t + [0] * (nblocks - len(t)) for t in padded], dtype=torch.long)
-        rows = (index[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, :longest]
-        counts_t = torch.tensor(counts, dtype=torch.long)
-        padding = None
-        if min(counts) < longest:
-            padding = torch.arange(longest)[None, :] >= counts_t[:, None]
         closing = [i for i, p in enumerate(positions) if (p + 1) % rate == 0]
         windows = [counts[i] - 1 for i in closing]
         ends = [j for j, w in enumerate(windows) if (w + 1) % per_block == 0]
+        counts_t = torch.tensor(counts, dtype=torch.long)
         closing_t = torch.tensor(closing, dtype=torch.long)
         return cls(
-            rows=rows,
+            rows=_entry_table(tables, counts, longest, per_block),
             counts=counts_t,
-            padding=padding,
+            padding=torch.arange(longest)[None, :] >= counts_t[:, None]
+            if min(counts) < longest
+            else None,
             longest=longest,
             shortest=min(counts),
             buffer_rows=state_blocks * rate + torch.tensor([p % rate for p in positions]),
@@ -183,9 +208,70 @@ class DecodeEntries:
             ),
         )
 
+    @classmethod
+    def build_padded(
+        cls,
+        tables: list[list[int]],
+        positions: list[int],
+        state_blocks: torch.Tensor,
+        rate: int,
+        per_block: int,
+        shape: DecodeShape,
+        scratch_block: int,
+    ) -> DecodeEntries:
+        """As `build`, in the fixed shapes of `shape`: rows for `shape.batch` requests (idle
+        ones see no entry) and `shape.positions // rate` entries; every row goes through the
+        window closing, those that close nothing (and idle rows) write to `scratch_block`.
+        `state_blocks` is already padded."""
+        idle = shape.batch - len(positions)
+        counts = [(p + 1) // rate for p in positions] + [0] * idle
+        longest = shape.positions // rate
+        windows = [c - 1 for c in counts]
+        closes = [(p + 1) % rate == 0 for p in positions] + [False] * idle
+        ends = [c and (w + 1) % per_block == 0 for c, w in zip(closes, windows)]
+        all_tables = tables + [[]] * idle
+        scratch_row = scratch_block * per_block
+        counts_t = torch.tensor(counts, dtype=torch.long)
+        slots = torch.tensor([p % rate for p in positions] + [0] * idle)
+        every = torch.arange(shape.batch)
+        return cls(
+            rows=_entry_table(all_tables, counts, longest, per_block),
+            counts=counts_t,
+            padding=torch.arange(longest)[None, :] >= counts_t[:, None],
+            longest=longest,
+            shortest=0,
+            buffer_rows=state_blocks * rate + slots,
+            closing=every,
+            closing_state=state_blocks,
+            closed_rows=torch.tensor(
+                [
+                    t[w // per_block] * per_block + w % per_block if c else scratch_row
+                    for t, w, c in zip(all_tables, windows, closes)
+                ],
+                dtype=torch.long,
+            ),
+            closed_positions=torch.tensor(
+                [w * rate if c else 0 for w, c in zip(windows, closes)], dtype=torch.long
+            ),
+            block_ends=every,
+            end_blocks=torch.tensor(
+                [
+                    t[w // per_block] if e else scratch_block
+                    for t, w, e in zip(all_tables, windows, ends)
+                ],
+                dtype=torch.long,
+            ),
+            closing_mask=torch.tensor(closes),
+        )
+
     def to(self, device: torch.device) -> DecodeEntries:
         _move_tensor_fields(self, device)
         return self
+
+    def buffers(self) -> DecodeEntries:
+        """A copy with tensors of its own (a graph's static inputs), no RoPE table cached."""
+        copies = {k: v.clone() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return replace(self, **copies, closed_rope=None)
 
 
 @dataclass
@@ -205,6 +291,23 @@ class V4Decodes:
             value.to(device)
         return self
 
+    def buffers(self) -> V4Decodes:
+        """A copy with tensors of its own: a graph's static inputs, shaped like these."""
+        copies = {k: v.clone() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        entries = {kind: e.buffers() for kind, e in self.entries.items()}
+        return replace(self, **copies, entries=entries)
+
+    def fill(self, other: V4Decodes) -> None:
+        """Copy another step's metadata, of the same shapes, into these tensors."""
+        _copy_tensor_fields(self, other)
+        for kind, e in self.entries.items():
+            _copy_tensor_fields(e, other.entries[kind])
+
+    def fresh(self) -> V4Decodes:
+        """The same tensors with no per-step table cached (one forward's view)."""
+        entries = {kind: replace(e, closed_rope=None) for kind, e in self.entries.items()}
+        return replace(self, entries=entries)
+
 
 @dataclass
 class V4Batch:
@@ -213,6 +316,9 @@ class V4Batch:
     # RoPE cos/sin of the step's positions by id of the rope: made by the first layer
     # that needs them, then shared by every other
     rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    shape: DecodeShape | None = None  # decodes padded to a graph's shapes
+    # [T] 1 for the rows the MoE load statistics count, 0 for a graph's idle rows; None: all
+    counted: torch.Tensor | None = None
 
     @property
     def chunks(self) -> list[V4SeqMeta]:
@@ -229,6 +335,29 @@ class V4Batch:
         return self
 
 
+@dataclass(frozen=True)
+class DecodeShapes:
+    """The graphs' decode shapes: batch sizes and context positions (multiples of the block
+    tokens), each a sorted list of buckets."""
+
+    batches: list[int]
+    positions: list[int]
+
+    def fit(self, seqs: list[V4SeqMeta]) -> DecodeShape | None:
+        """The smallest shape that holds these decodes (none fresh); None if none does."""
+        if any(s.fresh for s in seqs):
+            return None
+        batch = _smallest_at_least(len(seqs), self.batches)
+        positions = _smallest_at_least(max(s.start for s in seqs) + 1, self.positions)
+        if batch is None or positions is None:
+            return None
+        return DecodeShape(batch, positions)
+
+
+def _smallest_at_least(value: int, buckets: list[int]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
 class V4Cache:
     def __init__(
         self, cfg: V4Config, groups: list[KVGroup], num_blocks: list[int], device: torch.device
@@ -240,18 +369,24 @@ class V4Cache:
         self.ring = ring_size(cfg)
         # compressed entries per paged block, by kind
         self.per_block = {k: cfg.block_tokens // r for k, r in cfg.compress_rates.items()}
-        n_swa = by_name[SWA][1]
+        # the scratch rows: one past each pool
+        self.scratch_swa = by_name[SWA][1]
+        self.scratch_state = by_name[STATE][1] if STATE in by_name else 0
+        self.scratch_block = {kind: by_name[kind][1] for kind in (CSA, HCA) if kind in by_name}
+        # set by the decode graphs: decode-only steps within these shapes are padded to them
+        self.decode_shapes: DecodeShapes | None = None
         self.swa = [
-            torch.zeros(n_swa, self.ring, cfg.head_dim, dtype=dtype, device=device)
+            torch.zeros(self.scratch_swa + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
         ]
         self.layers: dict[int, CompressorState] = {}
         self.indexers: dict[int, CompressorState] = {}
-        n_state = by_name[STATE][1] if STATE in by_name else 0
+        n_state = self.scratch_state + 1
         B, hd, ihd = cfg.block_tokens, cfg.head_dim, cfg.index_head_dim
 
         def state(m: int, c: int, dim: int, n_paged: int, overlap: bool) -> CompressorState:
             f32 = dict(dtype=torch.float32, device=device)
+            n_paged += 1
             s = CompressorState(
                 buf_kv=torch.zeros(n_state, m, c, **f32),
                 buf_gate=torch.zeros(n_state, m, c, **f32),
@@ -272,16 +407,18 @@ class V4Cache:
             self.layers[layer] = state(cfg.hca_rate, hd, hd, by_name[HCA][1], False)
 
     def block_views(self, group: int) -> list[torch.Tensor]:
-        """The tensors of paged group `group` (csa or hca), indexed by block on dim 0."""
+        """The tensors of paged group `group` (csa or hca), indexed by block on dim 0; the
+        scratch block is left out."""
         name = next(n for n, i in self.group_index.items() if i == group)
+        pool = self.scratch_block[name]
         views: list[torch.Tensor] = []
         for layer in self.cfg.layers_of(CSA if name == CSA else HCA):
             for st in (self.layers[layer], self.indexers.get(layer)):
                 if st is None:
                     continue
-                views.append(st.entries)
+                views.append(st.entries[:pool])
                 if st.block_ovl_kv is not None:
-                    views += [st.block_ovl_kv, st.block_ovl_gate]
+                    views += [st.block_ovl_kv[:pool], st.block_ovl_gate[:pool]]
         return views
 
     def build_attention(self, seqs) -> V4Batch:
@@ -310,37 +447,55 @@ class V4Cache:
             batch.seqs.append(meta)
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
-            batch.decodes = self._decodes(decodes)
+            if self.decode_shapes is not None and len(decodes) == len(batch.seqs):
+                batch.shape = self.decode_shapes.fit(decodes)
+            batch.decodes = self._decodes(decodes, batch.shape)
         return batch
 
-    def _decodes(self, seqs: list[V4SeqMeta]) -> V4Decodes:
+    def _decodes(self, seqs: list[V4SeqMeta], shape: DecodeShape | None) -> V4Decodes:
+        """The decodes' metadata; with a shape, padded to it: idle rows write their token to
+        the scratch ring and state block, and see no key but the sink."""
         w, ring = self.cfg.sliding_window, self.ring
         q_rows = [s.q_start for s in seqs]
-        first = q_rows[0]
+        first = q_rows[0] if q_rows else 0
         contiguous = q_rows == list(range(first, first + len(seqs)))
         positions = [s.start for s in seqs]
-        pos = torch.tensor(positions, dtype=torch.long)
-        swa = torch.tensor([s.swa_block for s in seqs], dtype=torch.long)
+        idle = 0 if shape is None else shape.batch - len(seqs)
+        pos = torch.tensor(positions + [0] * idle, dtype=torch.long)
+        swa = torch.tensor([s.swa_block for s in seqs] + [self.scratch_swa] * idle)
         window = pos[:, None] + torch.arange(1 - w, 1)
-        state_blocks = torch.tensor([s.state_block for s in seqs], dtype=torch.long)
+        padding = window < 0
+        padding[len(seqs) :] = True
+        state_blocks = torch.tensor([s.state_block for s in seqs] + [self.scratch_state] * idle)
         decodes = V4Decodes(
-            rows=slice(first, first + len(seqs)) if contiguous else torch.tensor(q_rows),
+            rows=slice(first, first + len(seqs) + idle) if contiguous else torch.tensor(q_rows),
             new_rows=swa * ring + pos % ring,
             window_rows=swa[:, None] * ring + window.clamp(min=0) % ring,
-            window_padding=window < 0 if min(positions) < w - 1 else None,
+            window_padding=padding if shape is not None or min(positions) < w - 1 else None,
             state_blocks=state_blocks,
         )
         for kind in (CSA, HCA):
             if kind in self.group_index:
                 tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
-                decodes.entries[kind] = DecodeEntries.build(
-                    tables,
-                    positions,
-                    state_blocks,
-                    self.cfg.compress_rates[kind],
-                    self.per_block[kind],
+                rate, per_block = self.cfg.compress_rates[kind], self.per_block[kind]
+                decodes.entries[kind] = (
+                    DecodeEntries.build(tables, positions, state_blocks, rate, per_block)
+                    if shape is None
+                    else DecodeEntries.build_padded(
+                        tables,
+                        positions,
+                        state_blocks,
+                        rate,
+                        per_block,
+                        shape,
+                        self.scratch_block[kind],
+                    )
                 )
         return decodes
+
+    def idle_decodes(self, shape: DecodeShape) -> V4Decodes:
+        """Decode metadata of `shape` with every row idle: all its writes go to scratch rows."""
+        return self._decodes([], shape)
 
     def reset_request(self, seq: V4SeqMeta) -> None:
         """A new request took this state block: no open windows, no overlap yet."""

@@ -86,7 +86,9 @@ class Compressor(nn.Module):
         d: DecodeEntries,
         rope: InterleavedRope,
     ) -> None:
-        """One token for each of B requests (kv, gate: [B, C]); closes the windows that end."""
+        """One token for each of B requests (kv, gate: [B, C]); closes the windows that end
+        (with `d.closing_mask`: pools every row's window, those that close nothing into a
+        scratch row, so that no shape depends on which rows close)."""
         width = st.buf_kv.shape[-1]
         st.buf_kv.view(-1, width).index_copy_(0, d.buffer_rows, kv.float())
         st.buf_gate.view(-1, width).index_copy_(0, d.buffer_rows, gate.float())
@@ -96,10 +98,15 @@ class Compressor(nn.Module):
         chunk_kv = st.buf_kv.index_select(0, sb)
         chunk_gate = st.buf_gate.index_select(0, sb) + self.position_bias.float()
         if self.overlap:
-            pooled_kv = torch.cat((st.ovl_kv.index_select(0, sb), chunk_kv[..., dim:]), dim=1)
-            pooled_gate = torch.cat((st.ovl_gate.index_select(0, sb), chunk_gate[..., dim:]), dim=1)
-            st.ovl_kv.index_copy_(0, sb, chunk_kv[..., :dim])
-            st.ovl_gate.index_copy_(0, sb, chunk_gate[..., :dim])
+            old_kv, old_gate = st.ovl_kv.index_select(0, sb), st.ovl_gate.index_select(0, sb)
+            pooled_kv = torch.cat((old_kv, chunk_kv[..., dim:]), dim=1)
+            pooled_gate = torch.cat((old_gate, chunk_gate[..., dim:]), dim=1)
+            new_kv, new_gate = chunk_kv[..., :dim], chunk_gate[..., :dim]
+            if d.closing_mask is not None:  # fixed shapes: a row that closes nothing keeps its Ca
+                closes = d.closing_mask[:, None, None]
+                new_kv, new_gate = new_kv.where(closes, old_kv), new_gate.where(closes, old_gate)
+            st.ovl_kv.index_copy_(0, sb, new_kv)
+            st.ovl_gate.index_copy_(0, sb, new_gate)
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
         if d.closed_rope is None:

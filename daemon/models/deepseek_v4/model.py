@@ -40,7 +40,7 @@ class V4DecoderLayer(nn.Module):
         out = self.self_attn(self.input_layernorm(collapsed), positions, batch, cache)
         streams = HyperConnection.expand(post, comb, out, streams)
         post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids, batch.counted)
         return HyperConnection.expand(post, comb, out, streams)
 
 
