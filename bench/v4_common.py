@@ -20,7 +20,7 @@ from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("model forward", "deepseek_v4/model.py", ("forward",)),
     ("  attention (whole layer)", "deepseek_v4/attention.py", ("V4Attention.forward",)),
-    ("    per-request chunks", "deepseek_v4/attention.py", ("_attend",)),
+    ("    chunks (all at once)", "deepseek_v4/attention.py", ("_attend_chunks",)),
     ("    batched decodes", "deepseek_v4/attention.py", ("_attend_decodes",)),
     (
         "    input projections (one matmul)",
@@ -30,10 +30,17 @@ PARTS: list[tuple[str, str, tuple[str, ...]]] = [
     (
         "    softmax attention",
         "deepseek_v4/sparse.py",
-        ("part_logits", "part_values", "sink_softmax_", "WindowTiles.logits", "WindowTiles.values"),
+        (
+            "part_logits",
+            "part_values",
+            "sink_softmax_",
+            "WindowTiles.logits",
+            "WindowTiles.values",
+            "ChunkEntries.attend",
+        ),
     ),
     ("    indexer top-k", "deepseek_v4/attention.py", ("select",)),
-    ("    compressor updates", "deepseek_v4/compressor.py", ("update", "update_decode")),
+    ("    compressor updates", "deepseek_v4/compressor.py", ("update_chunks", "update_decode")),
     ("    row gathers", "deepseek_v4/sparse.py", ("gather_rows",)),
     ("  MoE (routed + shared)", "deepseek_v4/blocks.py", ("MoE.forward",)),
     ("  hyper-connections", "deepseek_v4/blocks.py", ("HyperConnection.forward",)),

@@ -123,3 +123,25 @@ def test_moe_matches_the_per_token_loop(hashed, path, monkeypatch) -> None:
         expected = moe_reference(moe, x, ids)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert moe.take_load().sum().item() == 13 * 2
+
+
+@pytest.mark.parametrize(
+    "b,n", [(2, 300), (9, 40)]
+)  # one request's queries split; requests grouped
+def test_indexer_picks_the_top_k_of_the_visible_scores(b: int, n: int) -> None:
+    from daemon.models.deepseek_v4.attention import INDEX_CHUNK, Indexer
+
+    assert b * n > INDEX_CHUNK
+    indexer = Indexer.__new__(Indexer)
+    indexer.heads, indexer.dim, indexer.topk = 4, 8, 5
+    g = torch.Generator().manual_seed(b)
+    e = 37
+    q = torch.randn(b, n, 4, 8, generator=g)
+    weights = torch.randn(b, n, 4, generator=g)
+    keys = torch.randn(b, e, 8, generator=g)
+    counts = torch.randint(6, e + 1, (b, n), generator=g)
+    picks = indexer.select(q, weights, keys, counts, seen_by_all=6)
+    scores = torch.einsum("bnhd,bed->bnhe", q, keys).relu() * weights[..., None]
+    scores = scores.sum(2).masked_fill(torch.arange(e) >= counts[..., None], float("-inf"))
+    want = scores.topk(5, dim=-1).indices
+    assert torch.equal(picks.sort(-1).values, want.sort(-1).values)

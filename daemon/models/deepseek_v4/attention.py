@@ -3,13 +3,14 @@ and HCA layers, compressed entries (CSA: the lightning indexer's top-k of them),
 learned sinks and the grouped low-rank output projection.
 
 Batched decodes attend their window (gathered from the rings) and their compressed entries
-in one go; every other sequence (a prefill chunk, a replay) runs alone, in chunks of at most
-QUERY_CHUNK queries so every temporary stays small. A CSA layer whose requests see no more
+in one go; the other sequences of a step (prefill chunks, replays) too, each padded to the
+longest, in groups of at most QUERY_CHUNK queries. A CSA layer whose requests see no more
 entries than the indexer's k attends all of them: the indexer would pick them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,11 @@ from daemon.models.deepseek_v4.blocks import (
     rms_scale,
 )
 from daemon.models.deepseek_v4.cache import (
+    ChunkQueries,
     DecodeEntries,
     V4Batch,
     V4Cache,
     V4Decodes,
-    V4SeqMeta,
 )
 from daemon.models.deepseek_v4.compressor import Compressor
 from daemon.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
@@ -41,7 +42,11 @@ from daemon.models.deepseek_v4.sparse import (
     topk_indices,
 )
 
-QUERY_CHUNK = 256  # queries attended, and scored by the indexer, at once
+# queries attended at once: whole chunks of a step together (fewer, larger ops: on an
+# accelerator each op is a launch); the indexer's [queries, heads, entries] scores grow with the
+# context, so it scores fewer at once
+QUERY_CHUNK = 2048
+INDEX_CHUNK = 256
 
 
 class Indexer(nn.Module):
@@ -77,17 +82,25 @@ class Indexer(nn.Module):
         # ReLU commutes with positive factors: both scalings go on the weights
         scale = (self.dim**-0.5) * (self.heads**-0.5)
         unseen = torch.arange(seen_by_all, e, device=keys.device)
-        per = max(1, QUERY_CHUNK // n)
+        per, part = max(1, INDEX_CHUNK // n), min(n, INDEX_CHUNK)  # requests, their queries
         picks = []
         for i in range(0, b, per):
             j = min(b, i + per)
-            per_head = torch.bmm(q[i:j].flatten(1, 2).float(), keys[i:j].float().transpose(1, 2))
-            per_head = per_head.relu_().view((j - i) * n, self.heads, e)
-            w = (weights[i:j].float() * scale).view((j - i) * n, 1, self.heads)
-            scores = torch.bmm(w, per_head).view(j - i, n, e)
-            if seen_by_all < e:
-                scores[..., seen_by_all:].masked_fill_(unseen >= counts[i:j, :, None], NEG_INF)
-            picks.append(topk_indices(scores, self.topk))
+            row = []
+            for lo in range(0, n, part):
+                hi = min(n, lo + part)
+                m = (j - i) * (hi - lo)
+                per_head = torch.bmm(
+                    q[i:j, lo:hi].flatten(1, 2).float(), keys[i:j].float().transpose(1, 2)
+                )
+                per_head = per_head.relu_().view(m, self.heads, e)
+                w = (weights[i:j, lo:hi].float() * scale).reshape(m, 1, self.heads)
+                scores = torch.bmm(w, per_head).view(j - i, hi - lo, e)
+                if seen_by_all < e:
+                    not_seen = unseen >= counts[i:j, lo:hi, None]
+                    scores[..., seen_by_all:].masked_fill_(not_seen, NEG_INF)
+                row.append(topk_indices(scores, self.topk))
+            picks.append(row[0] if len(row) == 1 else torch.cat(row, dim=1))
         return picks[0] if len(picks) == 1 else torch.cat(picks)
 
 
@@ -157,13 +170,21 @@ class V4Attention(nn.Module):
             ccos, csin = self._rope_table(self.compress_rope, positions, batch)
             iq = index_q[0].view(t, self.indexer.heads, self.indexer.dim)
             index_inputs = (self.compress_rope.apply(iq, ccos, csin), *rest[2:])
+        if self.compressor is not None and self.kind in batch.compression:
+            windows = batch.compression[self.kind]
+            self.compressor.update_chunks(
+                rest[0], rest[1], cache.layers[self.layer], windows, self.compress_rope
+            )
+            if self.indexer is not None:
+                self.indexer.compressor.update_chunks(
+                    rest[3], rest[4], cache.indexers[self.layer], windows, self.compress_rope
+                )
         out = torch.empty_like(q)
         if batch.decodes is not None:
             d = batch.decodes
             out[d.rows] = self._attend_decodes(d, q, kv, projected, index_inputs, cache)
-        for seq in batch.chunks:
-            rows = slice(seq.q_start, seq.q_start + seq.num_tokens)
-            self._attend(seq, rows, q, kv, positions, projected, index_inputs, cache, out[rows])
+        if batch.queries is not None:
+            self._attend_chunks(batch.queries, q, kv, index_inputs, cache, out)
         out = self.rope.apply(out, cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.cfg.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
@@ -184,116 +205,65 @@ class V4Attention(nn.Module):
         factor = rms_scale(q, self.eps).mul_(self.head_dim**-0.5)
         return q * factor.unsqueeze(-1).to(q.dtype)
 
-    def _attend(
-        self,
-        seq: V4SeqMeta,
-        rows: slice,
-        q,
-        kv,
-        positions,
-        projected,
-        index_inputs,
-        cache: V4Cache,
-        out: torch.Tensor,
+    def _attend_chunks(
+        self, c: ChunkQueries, q, kv, index_inputs, cache: V4Cache, out: torch.Tensor
     ) -> None:
-        """One request's chunk of n tokens (prefill, chunked prefill or replay), into out."""
-        n, start = seq.num_tokens, seq.start
-        q, kv, pos = q[rows], kv[rows], positions[rows]
-        ring = cache.swa[self.layer][seq.swa_block]
-        prev = min(start - seq.window_floor, self.window - 1)
-        before = ring.index_select(
-            0, torch.arange(start - prev, start, device=kv.device) % cache.ring
-        )
-        tiles = WindowTiles.build(before.to(kv.dtype), kv, self.window, self.heads)
-        keep = min(n, cache.ring)
-        ring.index_copy_(0, pos[-keep:] % cache.ring, kv[-keep:].to(ring.dtype))
-        entries = None
-        if self.compressor is not None:
-            entries = self._chunk_entries(seq, rows, kv.dtype, projected, index_inputs, cache)
-        if tiles.padded > n:
-            q = torch.cat((q, q.new_zeros(tiles.padded - n, *q.shape[1:])))
-        step = max(1, QUERY_CHUNK // tiles.tile)
-        for first in range(0, tiles.padded // tiles.tile, step):
-            last = min(first + step, tiles.padded // tiles.tile)
-            lo, hi = first * tiles.tile, min(n, last * tiles.tile)
-            window = tiles.logits(q[lo : last * tiles.tile], first, last)
-            parts = [window[: hi - lo]]
-            if entries is not None:
-                keys, logits = self._chunk_compressed(entries, q[lo:hi], pos[lo:hi], lo, start + lo)
-                parts.append(logits)
-            norm = sink_softmax_(parts, self.sinks.float())
-            o = tiles.values(window, first, last)[: hi - lo]
-            if entries is not None:
-                o += part_values(logits, keys)
-            torch.mul(o, norm, out=out[lo:hi])
+        """Every chunk of the step (prefill, chunked prefill, replay) at once, into out: the
+        window in tiles, then the compressed entries (all of them, or the indexer's top-k),
+        in groups of at most QUERY_CHUNK queries (whole chunks, or tiles of one chunk)."""
+        ring = cache.swa[self.layer].view(-1, self.head_dim)
+        before = gather_rows(ring, c.ring_rows).to(kv.dtype)  # [R, W - 1, D]
+        keys = torch.cat((before, gather_rows(kv, c.query_rows)), dim=1)
+        tiles = WindowTiles(keys, c.missing, self.window, self.heads)
+        ring.index_copy_(0, c.ring_dst, kv.index_select(0, c.ring_src).to(ring.dtype))
+        entries = self._chunk_entries(c, kv.dtype, index_inputs, cache)
+        qs = gather_rows(q, c.query_rows)  # [R, padded, H, D]
+        o = qs.new_empty(qs.shape)
+        per_chunk = c.padded // tiles.tile
+        chunks_at_once = max(1, QUERY_CHUNK // c.padded)
+        tiles_at_once = max(1, QUERY_CHUNK // tiles.tile)
+        for r0 in range(0, c.count, chunks_at_once):
+            chunks = slice(r0, min(c.count, r0 + chunks_at_once))
+            for t0 in range(0, per_chunk, tiles_at_once):
+                group = slice(t0, min(per_chunk, t0 + tiles_at_once))
+                lo, hi = group.start * tiles.tile, group.stop * tiles.tile
+                window = tiles.logits(qs[chunks, lo:hi], chunks, group)
+                parts = [window]
+                if entries is not None:
+                    queries = slice(lo, hi)
+                    logits, values = entries.attend(
+                        qs[chunks, queries], c.positions[chunks, queries], chunks, queries
+                    )
+                    parts.append(logits)
+                norm = sink_softmax_(parts, self.sinks.float())
+                part = tiles.values(window, chunks, group)
+                if entries is not None:
+                    part += values(logits)
+                o[chunks, lo:hi] = (part * norm).view(o[chunks, lo:hi].shape)
+        out.index_copy_(0, c.out_rows, o.flatten(0, 1).index_select(0, c.out_src))
 
     def _chunk_entries(
-        self, seq: V4SeqMeta, rows: slice, dtype: torch.dtype, projected, index_inputs, cache
+        self, c: ChunkQueries, dtype: torch.dtype, index_inputs, cache: V4Cache
     ) -> ChunkEntries | None:
-        """Feed the chunk to the compressors (not on replay), then the entries it may see."""
-        entry_rows = seq.entry_rows[self.kind]
-        st = cache.layers[self.layer]
-        if not seq.replay:
-            self.compressor.update(
-                projected[0][rows],
-                projected[1][rows],
-                seq.start,
-                st,
-                seq.state_block,
-                entry_rows,
-                self.compress_rope,
-            )
-            if self.indexer is not None:
-                self.indexer.compressor.update(
-                    index_inputs[2][rows],
-                    index_inputs[3][rows],
-                    seq.start,
-                    cache.indexers[self.layer],
-                    seq.state_block,
-                    entry_rows,
-                    self.compress_rope,
-                )
-        if not entry_rows.numel():
+        """The compressed entries the chunks see (the compressors have taken their tokens)."""
+        rows = c.entry_rows.get(self.kind) if self.compressor is not None else None
+        if rows is None:
             return None
-        storage = st.entries.view(-1, self.head_dim)
-        if self.indexer is None or entry_rows.numel() <= self.indexer.topk:
-            return ChunkEntries(self.rate, storage.index_select(0, entry_rows).to(dtype))
+        storage = cache.layers[self.layer].entries.view(-1, self.head_dim)
+        if self.indexer is None or rows.shape[1] <= self.indexer.topk:
+            return ChunkEntries(self.rate, self.heads, gather_rows(storage, rows).to(dtype))
         index_storage = cache.indexers[self.layer].entries.view(-1, self.indexer.dim)
-        index_keys = index_storage.index_select(0, entry_rows)
         return ChunkEntries(
             self.rate,
+            self.heads,
             dense=None,
             storage=storage,
-            rows=entry_rows,
-            index_keys=index_keys,
-            index_q=index_inputs[0][rows],
-            index_weights=index_inputs[1][rows],
+            rows=rows,
+            index_keys=gather_rows(index_storage, rows),
+            index_q=gather_rows(index_inputs[0], c.query_rows),
+            index_weights=gather_rows(index_inputs[1], c.query_rows),
+            indexer=self.indexer,
         )
-
-    def _chunk_compressed(
-        self, entries: ChunkEntries, q: torch.Tensor, pos: torch.Tensor, lo: int, first_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and logits of queries [lo, lo + len(q)) of a chunk over its compressed
-        entries; first_pos: the position of query lo."""
-        seen = (pos + 1) // entries.rate
-        seen_by_first = (first_pos + 1) // entries.rate
-        if entries.dense is not None:
-            count = entries.dense.shape[0]
-            blocked = None
-            if seen_by_first < count:
-                blocked = (torch.arange(count, device=q.device) >= seen[:, None])[:, None, :]
-            return entries.dense, part_logits(q, entries.dense, blocked)
-        hi = lo + q.shape[0]
-        picks = self.indexer.select(
-            entries.index_q[lo:hi][None],
-            entries.index_weights[lo:hi][None],
-            entries.index_keys[None],
-            seen[None],
-            seen_by_first,
-        )[0]
-        keys = gather_rows(entries.storage, entries.rows[picks]).to(q.dtype)
-        blocked = None if seen_by_first >= self.indexer.topk else (picks >= seen[:, None])[:, None]
-        return keys, part_logits(q, keys, blocked)
 
     def _attend_decodes(
         self, d: V4Decodes, q, kv, projected, index_inputs, cache: V4Cache
@@ -360,13 +330,51 @@ class V4Attention(nn.Module):
 
 @dataclass
 class ChunkEntries:
-    """The compressed entries one chunk attends: all of them (`dense`, [E, D]) or, for CSA
-    with more than k, the indexer's top-k per query, gathered from `storage` by `rows`."""
+    """The compressed entries the step's chunks attend: all of them (`dense`, [R, E, D]) or,
+    for CSA with more than k, the indexer's top-k per query, gathered from `storage` by
+    `rows`; a query sees the entries below (position + 1) // rate."""
 
     rate: int
+    heads: int
     dense: torch.Tensor | None
     storage: torch.Tensor | None = None  # the layer's entries.view(-1, D)
-    rows: torch.Tensor | None = None  # [E] the request's entry rows
-    index_keys: torch.Tensor | None = None  # [E, index dim]
-    index_q: torch.Tensor | None = None  # [n, index heads, index dim]
-    index_weights: torch.Tensor | None = None  # [n, index heads]
+    rows: torch.Tensor | None = None  # [R, E] each chunk's entry rows
+    index_keys: torch.Tensor | None = None  # [R, E, index dim]
+    index_q: torch.Tensor | None = None  # [R, padded, index heads, index dim]
+    index_weights: torch.Tensor | None = None  # [R, padded, index heads]
+    indexer: Indexer | None = None
+
+    def attend(
+        self, q: torch.Tensor, positions: torch.Tensor, chunks: slice, queries: slice
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """Logits [r * n, H, L] of queries `queries` of chunks `chunks` (q [r, n, H, D] at
+        `positions` [r, n]), and how to turn their probabilities into unnormalised outputs
+        [r * n, H, D]."""
+        r, n = positions.shape
+        seen = (positions + 1) // self.rate
+        if self.dense is not None:
+            keys = self.dense[chunks]  # [r, E, D]
+            e = keys.shape[1]
+            logits = torch.matmul(q.reshape(r, n * self.heads, -1), keys.transpose(1, 2))
+            logits = logits.float().view(r, n, self.heads, e)
+            blocked = torch.arange(e, device=q.device) >= seen[..., None]
+            logits.masked_fill_(blocked[:, :, None, :], NEG_INF)
+
+            def values(probs: torch.Tensor) -> torch.Tensor:
+                flat = probs.to(keys.dtype).view(r, n * self.heads, e)
+                return torch.matmul(flat, keys).view(r * n, self.heads, -1)
+
+            return logits.view(r * n, self.heads, e), values
+        picks = self.indexer.select(
+            self.index_q[chunks, queries],
+            self.index_weights[chunks, queries],
+            self.index_keys[chunks],
+            seen,
+            0,
+        )  # [r, n, k]
+        k = picks.shape[-1]
+        rows = self.rows[chunks].gather(1, picks.flatten(1)).view(r * n, k)
+        keys = gather_rows(self.storage, rows).to(q.dtype)  # [r * n, k, D]
+        blocked = (picks >= seen[..., None]).view(r * n, 1, k)
+        logits = part_logits(q.reshape(r * n, self.heads, -1), keys, blocked)
+        return logits, lambda probs: part_values(probs, keys)

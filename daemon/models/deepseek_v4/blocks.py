@@ -13,7 +13,9 @@ from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.layers import column_major
 from daemon.models.rope import inv_freq_and_scaling
 from daemon.moe.ep import EPLayer
-from kernels.grouped_linear import grouped_linear_reference, triton_available
+from kernels import use_triton
+from kernels.grouped_linear import grouped_linear_fused, grouped_linear_reference
+from kernels.sinkhorn import sinkhorn_fused
 
 
 class FP32RMSNorm(nn.Module):
@@ -127,7 +129,10 @@ class HyperConnection(nn.Module):
         comb_logits = torch.addcmul(
             base[2 * hc :].view(hc, hc, 1), mixed[2 * hc :].view(hc, hc, -1), scale[2]
         )
-        comb = sinkhorn(torch.softmax(comb_logits, dim=1), self.iters, self.eps)
+        if use_triton(comb_logits.device):
+            comb = sinkhorn_fused(comb_logits, self.iters, self.eps)
+        else:
+            comb = sinkhorn(torch.softmax(comb_logits, dim=1), self.iters, self.eps)
         return post, comb, weighted_sum(pre, streams)
 
     @staticmethod
@@ -201,8 +206,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     a shape-only device, its fake) and a CPU one linear per group."""
     if _grouped_mm_works(x.device.type):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
-    if x.device.type in ("cuda", "meta") and triton_available():
-        return torch.ops.deepinfer.grouped_linear(x, weight, ends)
+    if use_triton(x.device):
+        return grouped_linear_fused(x, weight, ends)
     return grouped_linear_reference(x, weight, ends)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from daemon.kv.spec import KVGroup, StateSpec
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
+from daemon.models.deepseek_v4.sparse import WINDOW_TILE
 
 SWA, STATE = "swa", "state"
 
@@ -81,13 +82,6 @@ class CompressorState:
     block_ovl_gate: torch.Tensor | None = None
 
 
-def entry_rows(table: list[int], count: int, per_block: int) -> torch.Tensor:
-    """Rows of a request's first `count` compressed entries in `entries.view(-1, dim)`, in
-    window order: [count]."""
-    blocks = torch.tensor(table[: -(-count // per_block)], dtype=torch.long)
-    return (blocks[:, None] * per_block + torch.arange(per_block)).flatten()[:count]
-
-
 def _entry_table(
     tables: list[list[int]], counts: list[int], width: int, per_block: int
 ) -> torch.Tensor:
@@ -133,16 +127,10 @@ class V4SeqMeta:
     replay: bool = False  # bounded replay: compressors untouched, window from window_floor
     window_floor: int = 0
     fresh: bool = False  # first step of a request: reset its per-request state
-    # a chunk (not a batched decode): rows of the entries visible at its end, per kind
-    entry_rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and not self.replay
-
-    def to(self, device: torch.device) -> V4SeqMeta:
-        self.entry_rows = {k: v.to(device, non_blocking=True) for k, v in self.entry_rows.items()}
-        return self
 
 
 @dataclass
@@ -275,6 +263,167 @@ class DecodeEntries:
 
 
 @dataclass
+class ChunkWindows:
+    """The prefill chunks' tokens through one kind's compressors (csa or hca), for all chunks
+    at once, as index tensors built once per step on the host and shared by every layer of
+    that kind. The rows fed are `src = cat(buffer[buffered], projected[token_rows])`: each
+    chunk's open-window tokens from before the step, then its own tokens."""
+
+    buffered: torch.Tensor  # [Nb] rows of `buf_kv.view(-1, C)` that open windows hold
+    token_rows: torch.Tensor  # [Nt] rows of the flat token batch (every chunk but replays)
+    windows: torch.Tensor  # [W, m] src rows of each window the chunks close
+    left_src: torch.Tensor  # [L] src rows of the tokens left in open windows
+    left_dst: torch.Tensor  # [L] their rows of `buf_kv.view(-1, C)`
+    first_state: torch.Tensor  # [R] state blocks of the chunks that close a window
+    previous: torch.Tensor  # [W] row of cat(overlap[first_state], each window's Ca): its Ca
+    last: torch.Tensor  # [R] each such chunk's last window (its Ca is the next overlap)
+    positions: torch.Tensor  # [W] first position of each window (its entry's RoPE)
+    entry_rows: torch.Tensor  # [W] row of each entry in `entries.view(-1, dim)`
+    block_ends: torch.Tensor  # [E] windows that end a paged block
+    end_blocks: torch.Tensor  # [E] the paged block each of those ends
+
+    @property
+    def count(self) -> int:
+        return self.windows.shape[0]
+
+    @classmethod
+    def build(cls, seqs: list[V4SeqMeta], tables: list[list[int]], rate: int, per_block: int):
+        buffered: list[int] = []
+        token_rows: list[int] = []
+        for s in seqs:
+            buffered += range(s.state_block * rate, s.state_block * rate + s.start % rate)
+            token_rows += range(s.q_start, s.q_start + s.num_tokens)
+        windows: list[list[int]] = []
+        left_src: list[int] = []
+        left_dst: list[int] = []
+        first_state: list[int] = []
+        previous: list[int] = []  # < 0: -1 - the chunk's index in first_state
+        last: list[int] = []
+        positions: list[int] = []
+        entry_rows: list[int] = []
+        block_ends: list[int] = []
+        end_blocks: list[int] = []
+        buf_at, tok_at = 0, len(buffered)
+        for s, table in zip(seqs, tables):
+            held = s.start % rate
+            rows = list(range(buf_at, buf_at + held)) + list(range(tok_at, tok_at + s.num_tokens))
+            buf_at, tok_at = buf_at + held, tok_at + s.num_tokens
+            closed = len(rows) // rate
+            left_src += rows[closed * rate :]
+            left_dst += range(s.state_block * rate, s.state_block * rate + len(rows) % rate)
+            if not closed:
+                continue
+            first_window = (s.start - held) // rate
+            previous.append(-1 - len(first_state))
+            previous += range(len(windows), len(windows) + closed - 1)
+            first_state.append(s.state_block)
+            for w in range(first_window, first_window + closed):
+                if (w + 1) % per_block == 0:
+                    block_ends.append(len(windows))
+                    end_blocks.append(table[w // per_block])
+                windows.append(rows[(w - first_window) * rate : (w - first_window + 1) * rate])
+                positions.append(w * rate)
+                entry_rows.append(table[w // per_block] * per_block + w % per_block)
+            last.append(len(windows) - 1)
+        r = len(first_state)
+
+        def long(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
+        return cls(
+            buffered=long(buffered),
+            token_rows=long(token_rows),
+            windows=long(windows).view(-1, rate),
+            left_src=long(left_src),
+            left_dst=long(left_dst),
+            first_state=long(first_state),
+            previous=long([-1 - p if p < 0 else r + p for p in previous]),
+            last=long(last),
+            positions=long(positions),
+            entry_rows=long(entry_rows),
+            block_ends=long(block_ends),
+            end_blocks=long(end_blocks),
+        )
+
+    def to(self, device: torch.device) -> ChunkWindows:
+        _move_tensor_fields(self, device)
+        return self
+
+
+@dataclass
+class ChunkQueries:
+    """Every prefill chunk and replay of the step, attended at once: each padded to `padded`
+    queries (whole tiles of WINDOW_TILE; padded rows repeat its last query and are dropped),
+    as index tensors built once per step on the host and shared by every layer."""
+
+    padded: int
+    query_rows: torch.Tensor  # [R, padded] row of each query in the flat token batch
+    positions: torch.Tensor  # [R, padded] its position
+    out_src: torch.Tensor  # [Q] the real queries' rows in the flat [R * padded] layout
+    out_rows: torch.Tensor  # [Q] their rows in the flat token batch
+    ring_rows: torch.Tensor  # [R, W - 1] ring rows of the W - 1 positions before each chunk
+    missing: torch.Tensor  # [R] how many of those have no KV (before 0 or the replay floor)
+    ring_dst: torch.Tensor  # [K] ring rows the chunks' last tokens go to
+    ring_src: torch.Tensor  # [K] their rows in the flat token batch
+    # by kind: [R, E] rows in `entries.view(-1, dim)` of the entries each chunk sees at its
+    # end (E: the most any sees), padded with row 0; a query sees (position + 1) // rate
+    entry_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return self.query_rows.shape[0]
+
+    @classmethod
+    def build(
+        cls, seqs: list[V4SeqMeta], cfg: V4Config, ring: int, per_block: dict[str, int]
+    ) -> ChunkQueries:
+        w = cfg.sliding_window
+        longest = max(s.num_tokens for s in seqs)
+        padded = -(-longest // WINDOW_TILE) * WINDOW_TILE
+        query_rows, positions, ring_rows, missing = [], [], [], []
+        out_src: list[int] = []
+        out_rows: list[int] = []
+        ring_dst: list[int] = []
+        ring_src: list[int] = []
+        for r, s in enumerate(seqs):
+            n, base = s.num_tokens, s.swa_block * ring
+            query_rows.append([s.q_start + min(i, n - 1) for i in range(padded)])
+            positions.append([s.start + min(i, n - 1) for i in range(padded)])
+            out_src += range(r * padded, r * padded + n)
+            out_rows += range(s.q_start, s.q_start + n)
+            ring_rows.append([base + max(p, 0) % ring for p in range(s.start - (w - 1), s.start)])
+            missing.append(w - 1 - min(s.start - s.window_floor, w - 1))
+            keep = min(n, ring)
+            ring_dst += [base + p % ring for p in range(s.start + n - keep, s.start + n)]
+            ring_src += range(s.q_start + n - keep, s.q_start + n)
+        out = cls(
+            padded=padded,
+            query_rows=torch.tensor(query_rows, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            out_src=torch.tensor(out_src, dtype=torch.long),
+            out_rows=torch.tensor(out_rows, dtype=torch.long),
+            ring_rows=torch.tensor(ring_rows, dtype=torch.long).view(len(seqs), w - 1),
+            missing=torch.tensor(missing, dtype=torch.long),
+            ring_dst=torch.tensor(ring_dst, dtype=torch.long),
+            ring_src=torch.tensor(ring_src, dtype=torch.long),
+        )
+        for kind, rate in cfg.compress_rates.items():
+            if kind in per_block:
+                tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
+                counts = [(s.start + s.num_tokens) // rate for s in seqs]
+                if max(counts):
+                    out.entry_rows[kind] = _entry_table(
+                        tables, counts, max(counts), per_block[kind]
+                    )
+        return out
+
+    def to(self, device: torch.device) -> ChunkQueries:
+        _move_tensor_fields(self, device)
+        self.entry_rows = {k: v.to(device, non_blocking=True) for k, v in self.entry_rows.items()}
+        return self
+
+
+@dataclass
 class V4Decodes:
     """Every one-token step of the batch, as index tensors shared by all layers."""
 
@@ -317,6 +466,9 @@ class V4Batch:
     # that needs them, then shared by every other
     rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     shape: DecodeShape | None = None  # decodes padded to a graph's shapes
+    # by kind: every chunk's tokens (but replays') through that kind's compressors
+    compression: dict[str, ChunkWindows] = field(default_factory=dict)
+    queries: ChunkQueries | None = None  # every chunk's queries
     # [T] 1 for the rows the MoE load statistics count, 0 for a graph's idle rows; None: all
     counted: torch.Tensor | None = None
 
@@ -328,8 +480,10 @@ class V4Batch:
     def to(self, device: torch.device) -> V4Batch:
         if device.type == "cpu":
             return self
-        for seq in self.chunks:
-            seq.to(device)
+        if self.queries is not None:
+            self.queries.to(device)
+        for windows in self.compression.values():
+            windows.to(device)
         if self.decodes is not None:
             self.decodes.to(device)
         return self
@@ -438,13 +592,19 @@ class V4Cache:
                 window_floor=s.window_floor,
                 fresh=s.start == 0 and not s.replay,
             )
-            if not meta.is_decode:
-                end = meta.start + meta.num_tokens
-                for kind, table in ((CSA, meta.csa_table), (HCA, meta.hca_table)):
-                    if kind in gi:
-                        rate = self.cfg.compress_rates[kind]
-                        meta.entry_rows[kind] = entry_rows(table, end // rate, self.per_block[kind])
             batch.seqs.append(meta)
+        chunks = batch.chunks
+        if chunks:
+            kinds = {k: n for k, n in self.per_block.items() if k in gi}
+            batch.queries = ChunkQueries.build(chunks, self.cfg, self.ring, kinds)
+        fed = [s for s in chunks if not s.replay]
+        if fed:
+            for kind in (CSA, HCA):
+                if kind in gi:
+                    tables = [s.csa_table if kind == CSA else s.hca_table for s in fed]
+                    batch.compression[kind] = ChunkWindows.build(
+                        fed, tables, self.cfg.compress_rates[kind], self.per_block[kind]
+                    )
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
             if self.decode_shapes is not None and len(decodes) == len(batch.seqs):

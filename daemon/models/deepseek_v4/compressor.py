@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from daemon.models.deepseek_v4.blocks import FP32RMSNorm, InterleavedRope
-from daemon.models.deepseek_v4.cache import CompressorState, DecodeEntries
+from daemon.models.deepseek_v4.cache import ChunkWindows, CompressorState, DecodeEntries
+from daemon.models.deepseek_v4.sparse import gather_rows
 
 
 class Compressor(nn.Module):
@@ -26,56 +27,48 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, width, dtype=torch.float32))
         self.kv_norm = FP32RMSNorm(dim, eps)
 
-    def update(
+    def update_chunks(
         self,
         kv: torch.Tensor,
         gate: torch.Tensor,
-        start: int,
         st: CompressorState,
-        state_block: int,
-        rows: torch.Tensor,
+        c: ChunkWindows,
         rope: InterleavedRope,
     ) -> None:
-        """Feed one request's projected tokens at positions [start, start+n); write the
-        entries of every window they close to their `rows` (the request's entry rows up to
-        the last window closed)."""
-        m, dim = self.rate, self.dim
-        buffered = start % m
-        kv = torch.cat((st.buf_kv[state_block, :buffered], kv.float()))
-        gate = torch.cat((st.buf_gate[state_block, :buffered], gate.float()))
-        usable = kv.shape[0] // m * m
-        left = kv.shape[0] - usable
-        st.buf_kv[state_block, :left] = kv[usable:]
-        st.buf_gate[state_block, :left] = gate[usable:]
-        windows = usable // m
-        if windows == 0:
+        """Feed every prefill chunk's projected tokens (kv, gate: the step's [T, C]) at once:
+        write the entries of every window they close, keep the rest in the open windows."""
+        width, dim = st.buf_kv.shape[-1], self.dim
+        buf_kv, buf_gate = st.buf_kv.view(-1, width), st.buf_gate.view(-1, width)
+        src_kv = torch.cat(
+            (buf_kv.index_select(0, c.buffered), kv.index_select(0, c.token_rows).float())
+        )
+        src_gate = torch.cat(
+            (buf_gate.index_select(0, c.buffered), gate.index_select(0, c.token_rows).float())
+        )
+        buf_kv.index_copy_(0, c.left_dst, src_kv.index_select(0, c.left_src))
+        buf_gate.index_copy_(0, c.left_dst, src_gate.index_select(0, c.left_src))
+        if not c.count:
             return
-        chunk_kv = kv[:usable].view(windows, m, -1)
-        chunk_gate = gate[:usable].view(windows, m, -1) + self.position_bias.float()
+        chunk_kv = gather_rows(src_kv, c.windows)  # [W, m, C]
+        chunk_gate = gather_rows(src_gate, c.windows) + self.position_bias.float()
         if self.overlap:
-            pooled_kv = chunk_kv.new_zeros(windows, 2 * m, dim)
-            pooled_gate = chunk_gate.new_full((windows, 2 * m, dim), float("-inf"))
-            pooled_kv[:, m:] = chunk_kv[..., dim:]
-            pooled_gate[:, m:] = chunk_gate[..., dim:]
-            pooled_kv[1:, :m] = chunk_kv[:-1, :, :dim]
-            pooled_gate[1:, :m] = chunk_gate[:-1, :, :dim]
-            pooled_kv[0, :m] = st.ovl_kv[state_block]
-            pooled_gate[0, :m] = st.ovl_gate[state_block]
-            st.ovl_kv[state_block] = chunk_kv[-1, :, :dim]
-            st.ovl_gate[state_block] = chunk_gate[-1, :, :dim]
+            # window w pools the Ca of the window before it (the stored overlap for a chunk's
+            # first) with its own Cb
+            prev_kv = torch.cat((st.ovl_kv.index_select(0, c.first_state), chunk_kv[..., :dim]))
+            prev_gate = torch.cat(
+                (st.ovl_gate.index_select(0, c.first_state), chunk_gate[..., :dim])
+            )
+            pooled_kv = torch.cat((prev_kv.index_select(0, c.previous), chunk_kv[..., dim:]), dim=1)
+            pooled_gate = torch.cat(
+                (prev_gate.index_select(0, c.previous), chunk_gate[..., dim:]), dim=1
+            )
+            st.ovl_kv.index_copy_(0, c.first_state, chunk_kv[..., :dim].index_select(0, c.last))
+            st.ovl_gate.index_copy_(0, c.first_state, chunk_gate[..., :dim].index_select(0, c.last))
         else:
             pooled_kv, pooled_gate = chunk_kv, chunk_gate
-        first = (start - buffered) // m
-        positions = torch.arange(first, first + windows, device=kv.device) * m
-        new_rows = rows[first:]
-        self._store(pooled_kv, pooled_gate, rope.cos_sin(positions), new_rows, st, rope)
-        if self.overlap:
-            per_block = st.entries.shape[1]
-            ends = list(range((per_block - 1 - first) % per_block, windows, per_block))
-            if ends:
-                self._keep_block_overlap(
-                    st, new_rows[ends] // per_block, chunk_kv, chunk_gate, ends
-                )
+        self._store(pooled_kv, pooled_gate, rope.cos_sin(c.positions), c.entry_rows, st, rope)
+        if self.overlap and c.block_ends.numel():
+            self._keep_block_overlap(st, c.end_blocks, chunk_kv, chunk_gate, c.block_ends)
 
     def update_decode(
         self,
@@ -136,7 +129,7 @@ class Compressor(nn.Module):
         blocks: torch.Tensor,
         chunk_kv: torch.Tensor,
         chunk_gate: torch.Tensor,
-        windows: torch.Tensor | list[int],
+        windows: torch.Tensor,
     ) -> None:
         """CSA: the Ca half of a window that ends a paged block is the overlap a resume at
         that block needs; kept per block."""

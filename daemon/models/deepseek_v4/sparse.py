@@ -8,7 +8,8 @@ by the common denominator. Keys are also the values (shared-KV MQA).
 
 The window part of a chunk of n queries runs in tiles of T queries: a tile sees the T + W - 1
 keys ending at its last query, so the chunk costs O(n (T + W)) instead of O(n (n + W)); with
-small tiles (T = 16) little of that is masked.
+small tiles (T = 16) little of that is masked. The chunks of a step run together, each padded
+to the longest.
 """
 
 from __future__ import annotations
@@ -85,63 +86,52 @@ def sink_softmax_(logits: list[torch.Tensor], sinks: torch.Tensor) -> torch.Tens
 
 @dataclass
 class WindowTiles:
-    """A chunk's sliding-window keys laid out for tiles of `tile` queries.
+    """The sliding-window keys of R chunks laid out for tiles of `tile` queries.
 
-    keys: [W - 1 + tiles * tile, D]: the W - 1 positions before the chunk (zero rows where
-    there is no KV: before position 0 or the replay floor), then the chunk's own keys (zero
-    rows past its end). Tile i holds queries [i * tile, (i + 1) * tile) and keys rows
-    [i * tile, i * tile + tile + W - 1); query j of a tile sees tile rows j .. j + W - 1.
+    keys: [R, W - 1 + padded, D]: per chunk the W - 1 positions before it (its first `missing`
+    rows have no KV: before position 0 or the replay floor), then its own keys, padded to whole
+    tiles. Tile i holds queries [i * tile, (i + 1) * tile) and key rows [i * tile, i * tile +
+    tile + W - 1); query j of a tile sees tile rows j .. j + W - 1, so padded key rows are seen
+    only by padded queries.
     """
 
     keys: torch.Tensor
+    missing: torch.Tensor  # [R]
     window: int
-    tile: int
-    missing: int  # leading key rows with no KV
     heads: int
-
-    @classmethod
-    def build(cls, before: torch.Tensor, kv: torch.Tensor, window: int, heads: int) -> WindowTiles:
-        """before: the up to W - 1 keys preceding the chunk, kv: the chunk's n keys."""
-        n = kv.shape[0]
-        tile = -(-n // -(-n // WINDOW_TILE))  # as even as possible
-        tiles = -(-n // tile)
-        keys = kv.new_zeros(window - 1 + tiles * tile, kv.shape[1])
-        missing = window - 1 - before.shape[0]
-        keys[missing : window - 1] = before
-        keys[window - 1 : window - 1 + n] = kv
-        return cls(keys, window, tile, missing, heads)
+    tile: int = WINDOW_TILE
 
     @property
-    def padded(self) -> int:
-        """Query rows the tiles cover (n rounded up to whole tiles)."""
-        return self.keys.shape[0] - (self.window - 1)
+    def width(self) -> int:
+        return self.tile + self.window - 1
 
-    def _tiles(self, first: int, last: int) -> torch.Tensor:
-        """Keys of tiles [first, last), transposed: [tiles, D, tile + W - 1]."""
-        return self.keys.unfold(0, self.tile + self.window - 1, self.tile)[first:last]
+    def _tiles(self, chunks: slice, tiles: slice) -> torch.Tensor:
+        """Keys of the given tiles of the given chunks, transposed: [r, t, D, width]."""
+        return self.keys[chunks].unfold(1, self.width, self.tile)[:, tiles]
 
-    def logits(self, q: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """q: the queries of tiles [first, last), [(last - first) * tile, H, D] -> float
-        logits [(last - first) * tile, H, tile + W - 1], -inf outside each query's window."""
-        count, width = last - first, self.tile + self.window - 1
-        logits = torch.bmm(q.view(count, self.tile * self.heads, -1), self._tiles(first, last))
-        logits = logits.float().view(count, self.tile, self.heads, width)
+    def logits(self, q: torch.Tensor, chunks: slice, tiles: slice) -> torch.Tensor:
+        """q: those tiles' queries [r, t * tile, H, D] -> float logits [r * t * tile, H,
+        width], -inf outside each query's window."""
+        keys = self._tiles(chunks, tiles)
+        r, t, _, width = keys.shape
+        logits = torch.matmul(q.reshape(r, t, self.tile * self.heads, -1), keys)
+        logits = logits.float().view(r, t, self.tile, self.heads, width)
+        device = q.device
         offset = (
-            torch.arange(width, device=q.device) - torch.arange(self.tile, device=q.device)[:, None]
+            torch.arange(width, device=device) - torch.arange(self.tile, device=device)[:, None]
         )
-        blocked = ((offset < 0) | (offset >= self.window))[None, :, None, :]
-        if first * self.tile < self.missing:
-            rows = torch.arange(first, last, device=q.device)[:, None] * self.tile
-            absent = rows + torch.arange(width, device=q.device) < self.missing
-            blocked = blocked | absent[:, None, None, :]
-        return logits.masked_fill_(blocked, NEG_INF).view(count * self.tile, self.heads, width)
+        blocked = ((offset < 0) | (offset >= self.window))[:, None, :]  # [tile, 1, width]
+        first = torch.arange(tiles.start, tiles.start + t, device=device)[:, None] * self.tile
+        absent = first + torch.arange(width, device=device) < self.missing[chunks, None, None]
+        blocked = blocked | absent[:, :, None, None, :]  # [r, t, tile, 1, width]
+        return logits.masked_fill_(blocked, NEG_INF).view(r * t * self.tile, self.heads, width)
 
-    def values(self, probs: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """probs: logits() after sink_softmax_ -> unnormalised outputs [rows, H, D]."""
-        count, width = last - first, self.tile + self.window - 1
-        keys = self._tiles(first, last).transpose(1, 2)
-        out = torch.bmm(probs.to(keys.dtype).view(count, self.tile * self.heads, width), keys)
-        return out.view(count * self.tile, self.heads, -1)
+    def values(self, probs: torch.Tensor, chunks: slice, tiles: slice) -> torch.Tensor:
+        """probs: logits() after sink_softmax_ -> unnormalised outputs [r * t * tile, H, D]."""
+        keys = self._tiles(chunks, tiles).transpose(-1, -2)
+        r, t, width, _ = keys.shape
+        probs = probs.to(keys.dtype).view(r, t, self.tile * self.heads, width)
+        return torch.matmul(probs, keys).view(r * t * self.tile, self.heads, -1)
 
 
 class SharedInputLinears:
