@@ -17,7 +17,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     overlap: bool = True
-    enforce_eager: bool = False  # no CUDA graphs (they replay dense models' decode steps on cuda)
+    enforce_eager: bool = False  # no CUDA graphs (they replay decode steps on cuda)
     cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
     seed: int = 0
     prefix_caching: bool = True
