@@ -3,6 +3,7 @@ stored sliding-window state, and the two SWA-miss policies (bounded replay, exac
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,46 @@ class TestBoundedReplayDivergence:
         assert replay["mean"] <= 0.3 * none["mean"]
         assert replay["first"] <= 0.3 * none["first"]
         assert replay["agree"] >= 0.6 and replay["agree"] >= none["agree"] + 0.4
+
+    def test_replay_in_a_step_with_other_chunks_equals_alone(self, model) -> None:
+        """A replay (its window floor at its start), another request's second prefill chunk
+        (part of its window before it) and their continuations in shared steps, padded
+        together, give the logits each gets in steps of its own."""
+        from daemon.loop.prefix import RestoreOp
+        from daemon.models.attention import SeqSlice
+        from tests.test_models_v4 import Harness
+
+        g = torch.Generator().manual_seed(8)
+        tokens = torch.randint(2, 512, (256 + 24,), generator=g)
+        other = torch.randint(2, 512, (45 + 30 + 9,), generator=g)
+        replay_start = 256 - 128
+
+        def run(together: bool) -> list[torch.Tensor]:
+            h = Harness(model, max_seqs=3, blocks=8)
+            h.step([(0, tokens[:256], 0)])
+            h.step([(2, other[:45], 0)])
+            h.tables[1] = [
+                [1] if spec.per_request else h.tables[0][i]
+                for i, spec in enumerate(g.spec for g in h.groups)
+            ]
+            h.cache.restore(RestoreOp(256, None), h.tables[1])
+            replay = (
+                SeqSlice(0, replay_start, 128, h.tables[1], False, True, replay_start),
+                tokens[replay_start:256],
+            )
+            chunk = (SeqSlice(0, 45, 30, h.tables[2], False), other[45:75])
+            for step in [[replay, chunk]] if together else [[replay], [chunk]]:
+                slices, row = [], 0
+                for part, _ in step:
+                    slices.append(replace(part, q_start=row))
+                    row += part.num_tokens
+                ids = torch.cat([ids for _, ids in step])
+                pos = torch.cat([torch.arange(p.start, p.start + p.num_tokens) for p in slices])
+                with torch.inference_mode():
+                    model(ids, pos, h.cache.build_attention(slices), h.cache)
+            parts = [(1, tokens[256:], 256), (2, other[75:], 75)]
+            return h.step(parts) if together else h.step(parts[:1]) + h.step(parts[1:])
+
+        alone, together = run(False), run(True)
+        for a, t in zip(alone, together):
+            assert (a - t).abs().max() <= 1e-4
