@@ -222,7 +222,8 @@ async def bench(args: argparse.Namespace) -> None:
     quiet_logs()
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="deepinfer-v4-bench-"))
-    print("model:", describe(V4_BENCH), "|", machine(), "| device", args.device)
+    graphs = "eager" if args.enforce_eager or args.device != "cuda" else "CUDA graphs"
+    print("model:", describe(V4_BENCH), "|", machine(), "| device", args.device, graphs)
     path = make_bench_checkpoint(root)
     top = max(args.concurrency)
     engine, _ = build_engine(
@@ -232,6 +233,7 @@ async def bench(args: argparse.Namespace) -> None:
             kv_cache_memory_gb=args.kv_gb,
             max_num_seqs=max(top, 2),
             max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
+            enforce_eager=args.enforce_eager,
             **engine_threads(args),
         )
     )
@@ -318,6 +320,11 @@ def main() -> None:
         type=int,
         default=0,
         help="EngineConfig.cpu_threads, the engine's forward threads (0 = the engine's choice)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs for our decode steps (they are on by default on cuda)",
     )
     p.add_argument(
         "--profile",

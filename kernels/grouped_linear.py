@@ -49,6 +49,7 @@ if triton is not None:
         BLOCK_ROWS: tl.constexpr,
         BLOCK_OUT: tl.constexpr,
         BLOCK_IN: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         # program (group, row block, column block); most row blocks of a group are past its
         # end and return at once: the grid depends on shapes only, never on the routing
@@ -74,8 +75,7 @@ if triton is not None:
                     mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0,
                 )
-                # full float32 products: no tf32, like torch's default matmul
-                acc += tl.dot(a, b, input_precision="ieee")
+                acc += tl.dot(a, b, input_precision=PRECISION)
             tl.store(
                 out + rows[:, None] * stride_on + cols[None, :] * stride_oo,
                 acc.to(out.dtype.element_ty),
@@ -108,6 +108,8 @@ def grouped_linear_triton(
         BLOCK_ROWS=BLOCK_ROWS,
         BLOCK_OUT=BLOCK_OUT,
         BLOCK_IN=BLOCK_IN,
+        # float32: full products, no tf32 (as torch's default matmul); the others' default
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out
 
