@@ -70,7 +70,7 @@ def test_padded_decodes_write_idle_rows_to_scratch() -> None:
     assert csa.closing_mask.tolist() == [True, False, False, False]
     scratch_row = cache.scratch_block[CSA] * per_block
     assert csa.closed_rows.tolist() == [4 * per_block + 2] + [scratch_row] * 3
-    assert csa.padding[:, 3].all() and not csa.padding[:2, :3].any() and csa.padding[2:].all()
+    assert csa.rows[0, :3].tolist() == [4 * per_block + i for i in range(3)]
     hca = d.entries[HCA]
     assert hca.counts.tolist() == [1, 1, 0, 0] and not hca.closing_mask.any()
     # the pool's block views leave the scratch rows out

@@ -24,7 +24,6 @@ from daemon.models.deepseek_v4.blocks import (
 )
 from daemon.models.deepseek_v4.cache import (
     ChunkQueries,
-    DecodeEntries,
     V4Batch,
     V4Cache,
     V4Decodes,
@@ -216,7 +215,12 @@ class V4Attention(nn.Module):
         keys = torch.cat((before, gather_rows(kv, c.query_rows)), dim=1)
         tiles = WindowTiles(keys, c.missing, self.window, self.heads)
         ring.index_copy_(0, c.ring_dst, kv.index_select(0, c.ring_src).to(ring.dtype))
-        entries = self._chunk_entries(c, kv.dtype, index_inputs, cache)
+        entries = None
+        rows = c.entry_rows.get(self.kind) if self.compressor is not None else None
+        if rows is not None:
+            entries = self._entries(
+                rows, lambda t: gather_rows(t, c.query_rows), index_inputs, cache
+            )
         qs = gather_rows(q, c.query_rows)  # [R, padded, H, D]
         o = qs.new_empty(qs.shape)
         per_chunk = c.padded // tiles.tile
@@ -231,9 +235,8 @@ class V4Attention(nn.Module):
                 parts = [window]
                 if entries is not None:
                     queries = slice(lo, hi)
-                    logits, values = entries.attend(
-                        qs[chunks, queries], c.positions[chunks, queries], chunks, queries
-                    )
+                    seen = (c.positions[chunks, queries] + 1) // self.rate
+                    logits, values = entries.attend(qs[chunks, queries], seen, chunks, queries)
                     parts.append(logits)
                 norm = sink_softmax_(parts, self.sinks.float())
                 part = tiles.values(window, chunks, group)
@@ -242,26 +245,27 @@ class V4Attention(nn.Module):
                 o[chunks, lo:hi] = (part * norm).view(o[chunks, lo:hi].shape)
         out.index_copy_(0, c.out_rows, o.flatten(0, 1).index_select(0, c.out_src))
 
-    def _chunk_entries(
-        self, c: ChunkQueries, dtype: torch.dtype, index_inputs, cache: V4Cache
-    ) -> ChunkEntries | None:
-        """The compressed entries the chunks see (the compressors have taken their tokens)."""
-        rows = c.entry_rows.get(self.kind) if self.compressor is not None else None
-        if rows is None:
-            return None
+    def _entries(
+        self,
+        rows: torch.Tensor,
+        queries: Callable[[torch.Tensor], torch.Tensor],
+        index_inputs,
+        cache: V4Cache,
+    ) -> CompressedEntries:
+        """The compressed entries in `rows` [R, E] of R requests; `queries` takes a tensor of
+        the step's tokens [T, ...] to those requests' queries [R, n, ...]."""
         storage = cache.layers[self.layer].entries.view(-1, self.head_dim)
         if self.indexer is None or rows.shape[1] <= self.indexer.topk:
-            return ChunkEntries(self.rate, self.heads, gather_rows(storage, rows).to(dtype))
+            return CompressedEntries(self.heads, gather_rows(storage, rows))
         index_storage = cache.indexers[self.layer].entries.view(-1, self.indexer.dim)
-        return ChunkEntries(
-            self.rate,
+        return CompressedEntries(
             self.heads,
             dense=None,
             storage=storage,
             rows=rows,
             index_keys=gather_rows(index_storage, rows),
-            index_q=gather_rows(index_inputs[0], c.query_rows),
-            index_weights=gather_rows(index_inputs[1], c.query_rows),
+            index_q=queries(index_inputs[0]),
+            index_weights=queries(index_inputs[1]),
             indexer=self.indexer,
         )
 
@@ -269,13 +273,13 @@ class V4Attention(nn.Module):
         self, d: V4Decodes, q, kv, projected, index_inputs, cache: V4Cache
     ) -> torch.Tensor:
         """Every one-token step of the batch at once: windows from the rings, then the
-        compressed entries (padded to the longest request, or the indexer's top-k)."""
+        compressed entries (each request's padded to the longest, or the indexer's top-k)."""
         ring = cache.swa[self.layer].view(-1, self.head_dim)
         ring.index_copy_(0, d.new_rows, kv[d.rows].to(ring.dtype))
         window = gather_rows(ring, d.window_rows).to(kv.dtype)  # [B, W, D], the new token last
         q = q[d.rows]
         blocked = None if d.window_padding is None else d.window_padding[:, None, :]
-        parts = [(window, part_logits(q, window, blocked))]
+        compressed = None
         if self.compressor is not None:
             e = d.entries[self.kind]
             self.compressor.update_decode(
@@ -295,65 +299,42 @@ class V4Attention(nn.Module):
                     e,
                     self.compress_rope,
                 )
-            if e.longest:
-                parts.append(self._decode_compressed(e, q, d.rows, index_inputs, cache))
-        norm = sink_softmax_([logits for _, logits in parts], self.sinks.float())
-        out = part_values(parts[0][1], parts[0][0])
-        for keys, logits in parts[1:]:
-            out += part_values(logits, keys)
+            if e.rows.shape[1]:
+                entries = self._entries(e.rows, lambda t: t[d.rows][:, None], index_inputs, cache)
+                compressed = entries.attend(q[:, None], e.counts[:, None], slice(None), slice(None))
+        window_logits = part_logits(q, window, blocked)
+        logits = [window_logits] if compressed is None else [window_logits, compressed[0]]
+        norm = sink_softmax_(logits, self.sinks.float())
+        out = part_values(window_logits, window)
+        if compressed is not None:
+            out += compressed[1](compressed[0])
         return out * norm
-
-    def _decode_compressed(
-        self, e: DecodeEntries, q: torch.Tensor, rows, index_inputs, cache: V4Cache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, L, D] and logits [B, H, L] of the batched decodes' compressed entries."""
-        storage = cache.layers[self.layer].entries.view(-1, self.head_dim)
-        if self.indexer is None or e.longest <= self.indexer.topk:
-            keys = gather_rows(storage, e.rows).to(q.dtype)
-            blocked = None if e.padding is None else e.padding[:, None, :]
-            return keys, part_logits(q, keys, blocked)
-        index_storage = cache.indexers[self.layer].entries.view(-1, self.indexer.dim)
-        index_keys = gather_rows(index_storage, e.rows)
-        picks = self.indexer.select(
-            index_inputs[0][rows][:, None],
-            index_inputs[1][rows][:, None],
-            index_keys,
-            e.counts[:, None],
-            e.shortest,
-        )[:, 0]
-        keys = gather_rows(storage, e.rows.gather(1, picks)).to(q.dtype)
-        blocked = None
-        if e.shortest < self.indexer.topk:
-            blocked = (picks >= e.counts[:, None])[:, None, :]
-        return keys, part_logits(q, keys, blocked)
 
 
 @dataclass
-class ChunkEntries:
-    """The compressed entries the step's chunks attend: all of them (`dense`, [R, E, D]) or,
-    for CSA with more than k, the indexer's top-k per query, gathered from `storage` by
-    `rows`; a query sees the entries below (position + 1) // rate."""
+class CompressedEntries:
+    """The compressed entries R requests attend (their chunks' queries, or their decodes):
+    all of them (`dense`, [R, E, D]) or, for CSA with more than k, the indexer's top-k per
+    query, gathered from `storage` by `rows`."""
 
-    rate: int
     heads: int
     dense: torch.Tensor | None
     storage: torch.Tensor | None = None  # the layer's entries.view(-1, D)
-    rows: torch.Tensor | None = None  # [R, E] each chunk's entry rows
+    rows: torch.Tensor | None = None  # [R, E] each request's entry rows
     index_keys: torch.Tensor | None = None  # [R, E, index dim]
-    index_q: torch.Tensor | None = None  # [R, padded, index heads, index dim]
-    index_weights: torch.Tensor | None = None  # [R, padded, index heads]
+    index_q: torch.Tensor | None = None  # [R, n, index heads, index dim]
+    index_weights: torch.Tensor | None = None  # [R, n, index heads]
     indexer: Indexer | None = None
 
     def attend(
-        self, q: torch.Tensor, positions: torch.Tensor, chunks: slice, queries: slice
+        self, q: torch.Tensor, seen: torch.Tensor, requests: slice, queries: slice
     ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """Logits [r * n, H, L] of queries `queries` of chunks `chunks` (q [r, n, H, D] at
-        `positions` [r, n]), and how to turn their probabilities into unnormalised outputs
-        [r * n, H, D]."""
-        r, n = positions.shape
-        seen = (positions + 1) // self.rate
+        """Logits [r * n, H, L] of queries `queries` of requests `requests` (q [r, n, H, D],
+        each seeing the entries below its `seen` [r, n]), and how to turn their probabilities
+        into unnormalised outputs [r * n, H, D]."""
+        r, n = seen.shape
         if self.dense is not None:
-            keys = self.dense[chunks]  # [r, E, D]
+            keys = self.dense[requests].to(q.dtype)  # [r, E, D]
             e = keys.shape[1]
             logits = torch.matmul(q.reshape(r, n * self.heads, -1), keys.transpose(1, 2))
             logits = logits.float().view(r, n, self.heads, e)
@@ -366,14 +347,14 @@ class ChunkEntries:
 
             return logits.view(r * n, self.heads, e), values
         picks = self.indexer.select(
-            self.index_q[chunks, queries],
-            self.index_weights[chunks, queries],
-            self.index_keys[chunks],
+            self.index_q[requests, queries],
+            self.index_weights[requests, queries],
+            self.index_keys[requests],
             seen,
             0,
         )  # [r, n, k]
         k = picks.shape[-1]
-        rows = self.rows[chunks].gather(1, picks.flatten(1)).view(r * n, k)
+        rows = self.rows[requests].gather(1, picks.flatten(1)).view(r * n, k)
         keys = gather_rows(self.storage, rows).to(q.dtype)  # [r * n, k, D]
         blocked = (picks >= seen[..., None]).view(r * n, 1, k)
         logits = part_logits(q.reshape(r * n, self.heads, -1), keys, blocked)

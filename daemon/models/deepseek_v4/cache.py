@@ -140,9 +140,6 @@ class DecodeEntries:
 
     rows: torch.Tensor  # [B, E] entry rows of each request, padded with row 0 to the longest
     counts: torch.Tensor  # [B] entries each request sees, (position + 1) // rate
-    padding: torch.Tensor | None  # [B, E] True past a request's count; None when none is
-    longest: int
-    shortest: int
     buffer_rows: torch.Tensor  # [B] the token's row in `buf_kv.view(-1, C)`: its open window's slot
     closing: torch.Tensor  # [C] decodes whose token closes a window
     closing_state: torch.Tensor  # [C] their state blocks
@@ -174,11 +171,6 @@ class DecodeEntries:
         return cls(
             rows=_entry_table(tables, counts, longest, per_block),
             counts=counts_t,
-            padding=torch.arange(longest)[None, :] >= counts_t[:, None]
-            if min(counts) < longest
-            else None,
-            longest=longest,
-            shortest=min(counts),
             buffer_rows=state_blocks * rate + torch.tensor([p % rate for p in positions]),
             closing=closing_t,
             closing_state=state_blocks[closing_t],
@@ -225,9 +217,6 @@ class DecodeEntries:
         return cls(
             rows=_entry_table(all_tables, counts, longest, per_block),
             counts=counts_t,
-            padding=torch.arange(longest)[None, :] >= counts_t[:, None],
-            longest=longest,
-            shortest=0,
             buffer_rows=state_blocks * rate + slots,
             closing=every,
             closing_state=state_blocks,
@@ -287,7 +276,11 @@ class ChunkWindows:
         return self.windows.shape[0]
 
     @classmethod
-    def build(cls, seqs: list[V4SeqMeta], tables: list[list[int]], rate: int, per_block: int):
+    def build(
+        cls, seqs: list[V4SeqMeta], tables: list[list[int]], rate: int, per_block: int
+    ) -> ChunkWindows:
+        """The chunks' windows, in order (their entry tables `tables`, `rate` tokens per
+        window, `per_block` entries per paged block)."""
         buffered: list[int] = []
         token_rows: list[int] = []
         for s in seqs:
