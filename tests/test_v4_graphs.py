@@ -19,7 +19,7 @@ from daemon.loop.cuda_graphs import V4DecodeGraphs, V4StaticInputs, position_buc
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import SeqSlice
 from daemon.models.deepseek_v4.blocks import MoE
-from daemon.models.deepseek_v4.cache import DecodeShape, DecodeShapes, V4Cache
+from daemon.models.deepseek_v4.cache import DecodeShape, DecodeShapes, V4Cache, kv_groups
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.checkpoints import V4_TINY, make_v4_checkpoint
@@ -42,9 +42,7 @@ def _cache(num_blocks: int = 6) -> tuple[V4Config, V4Cache, list[KVGroup]]:
     from transformers import DeepseekV4Config
 
     cfg = V4Config.from_hf(DeepseekV4Config(**V4_TINY).to_dict())
-    model = DeepseekV4ForCausalLM.__new__(DeepseekV4ForCausalLM)
-    model.cfg = cfg
-    groups = model.kv_groups(torch.float32, 0)
+    groups = kv_groups(cfg, torch.float32)
     return cfg, V4Cache(cfg, groups, [num_blocks] * len(groups), torch.device("cpu")), groups
 
 
