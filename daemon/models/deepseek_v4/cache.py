@@ -464,6 +464,7 @@ class V4Batch:
     queries: ChunkQueries | None = None  # every chunk's queries
     # [T] 1 for the rows the MoE load statistics count, 0 for a graph's idle rows; None: all
     counted: torch.Tensor | None = None
+    fresh_states: torch.Tensor | None = None  # state blocks of requests starting this step
 
     @property
     def chunks(self) -> list[V4SeqMeta]:
@@ -473,6 +474,8 @@ class V4Batch:
     def to(self, device: torch.device) -> V4Batch:
         if device.type == "cpu":
             return self
+        if self.fresh_states is not None:
+            self.fresh_states = self.fresh_states.to(device, non_blocking=True)
         if self.queries is not None:
             self.queries.to(device)
         for windows in self.compression.values():
@@ -586,6 +589,9 @@ class V4Cache:
                 fresh=s.start == 0 and not s.replay,
             )
             batch.seqs.append(meta)
+        fresh = [s.state_block for s in batch.seqs if s.fresh]
+        if fresh and STATE in gi:
+            batch.fresh_states = torch.tensor(fresh, dtype=torch.long)
         chunks = batch.chunks
         if chunks:
             kinds = {k: n for k, n in self.per_block.items() if k in gi}
@@ -650,12 +656,12 @@ class V4Cache:
         """Decode metadata of `shape` with every row idle: all its writes go to scratch rows."""
         return self._decodes([], shape)
 
-    def reset_request(self, seq: V4SeqMeta) -> None:
-        """A new request took this state block: no open windows, no overlap yet."""
+    def reset_requests(self, state_blocks: torch.Tensor) -> None:
+        """New requests took these state blocks: no open windows, no overlap yet."""
         for st in list(self.layers.values()) + list(self.indexers.values()):
             if st.ovl_kv is not None:
-                st.ovl_kv[seq.state_block].zero_()
-                st.ovl_gate[seq.state_block].fill_(float("-inf"))
+                st.ovl_kv.index_fill_(0, state_blocks, 0.0)
+                st.ovl_gate.index_fill_(0, state_blocks, float("-inf"))
 
     # ---- prefix reuse ----------------------------------------------------------------------
 

@@ -85,9 +85,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch, cache: V4Cache
     ) -> torch.Tensor:
-        for seq in batch.seqs:
-            if seq.fresh:
-                cache.reset_request(seq)
+        if batch.fresh_states is not None:
+            cache.reset_requests(batch.fresh_states)
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
