@@ -15,11 +15,11 @@ import torch
 from daemon.build import build_engine
 from daemon.config import EngineConfig
 from daemon.kv.spec import KVGroup
-from daemon.loop.cuda_graphs import V4DecodeGraphs, V4StaticInputs, position_buckets
+from daemon.loop.cuda_graphs import V4Buckets, V4DecodeGraphs, V4StaticInputs, position_buckets
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import SeqSlice
 from daemon.models.deepseek_v4.blocks import MoE
-from daemon.models.deepseek_v4.cache import DecodeShape, DecodeShapes, V4Cache, kv_groups
+from daemon.models.deepseek_v4.cache import DecodeShape, V4Cache, kv_groups
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.checkpoints import V4_TINY, make_v4_checkpoint
@@ -54,7 +54,7 @@ def test_padded_decodes_write_idle_rows_to_scratch() -> None:
     seqs = [
         SeqSlice(i, pos, 1, [tables[n][i] for n in names], True) for i, pos in enumerate((11, 14))
     ]
-    cache.decode_shapes = DecodeShapes(batches=[1, 4], positions=[8, 16, 32])
+    cache.decode_shape = V4Buckets(batches=[1, 4], positions=[8, 16, 32])
     batch = cache.build_attention(seqs)
     shape = DecodeShape(batch=4, positions=16)
     d = batch.decodes

@@ -13,12 +13,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from daemon.models.attention import AttentionBatch, PagedKVCache
-from daemon.models.deepseek_v4.cache import DecodeShape, DecodeShapes, V4Batch, V4Cache, V4Decodes
+from daemon.models.deepseek_v4.cache import DecodeShape, V4Batch, V4Cache, V4Decodes
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -115,7 +116,7 @@ class DecodeGraphs:
         self.model, self.cache, self.device = model, cache, device
         self.batches = batch_buckets(max_batch)
         self.widths = width_buckets(-(-model.max_model_len // cache.block_size))
-        self.graphs: dict[tuple[int, int], Captured] = {}
+        self.graphs: dict[Any, Captured] = {}
         self.pool: tuple[int, int] | None = None
 
     def run(
@@ -130,17 +131,32 @@ class DecodeGraphs:
         width = bucket(batch.decode_tables.shape[1], self.widths)
         if size is None or width is None:
             return None
-        captured = self.graphs.get((size, width))
-        if captured is None:
-            inputs = StaticInputs.allocate(
+        return self._replay(
+            (size, width),
+            lambda: StaticInputs.allocate(
                 size, width, self.cache.block_size, self.cache.scratch_slot, self.device
-            )
+            ),
+            lambda inputs: inputs.fill(input_ids, positions, batch),
+            n,
+        )
+
+    def _replay(
+        self,
+        key: Any,
+        allocate: Callable[[], StaticInputs | V4StaticInputs],
+        fill: Callable[[Any], None],
+        rows: int,
+    ) -> torch.Tensor:
+        """Replay the graph of `key` (captured first on `allocate()`'s buffers) after `fill`
+        put the step's inputs into its buffers; its first `rows` rows of output."""
+        captured = self.graphs.get(key)
+        if captured is None:
+            inputs = allocate()
             replay, hidden = self.record(inputs)
-            captured = Captured(replay, inputs, hidden)
-            self.graphs[(size, width)] = captured
-        captured.inputs.fill(input_ids, positions, batch)
+            captured = self.graphs[key] = Captured(replay, inputs, hidden)
+        fill(captured.inputs)
         captured.replay()
-        return captured.hidden[:n]
+        return captured.hidden[:rows]
 
     def record(
         self, inputs: StaticInputs | V4StaticInputs
@@ -197,17 +213,30 @@ class V4StaticInputs:
         self.decodes.fill(batch.decodes)
 
 
+@dataclass(frozen=True)
+class V4Buckets:
+    """The V4 graphs' shapes: a decode-only step of `decodes` requests whose positions are
+    below `context` fits the smallest batch and context buckets that hold it."""
+
+    batches: list[int]
+    positions: list[int]
+
+    def __call__(self, decodes: int, context: int) -> DecodeShape | None:
+        batch, positions = bucket(decodes, self.batches), bucket(context, self.positions)
+        return None if batch is None or positions is None else DecodeShape(batch, positions)
+
+
 class V4DecodeGraphs(DecodeGraphs):
     """DeepSeek-V4 decode graphs: keyed by the shape the cache padded the step's decodes to
-    (it pads once these graphs give it their shapes)."""
+    (it pads once these graphs give it their buckets)."""
 
     def __init__(
         self, model: nn.Module, cache: V4Cache, device: torch.device, max_batch: int
     ) -> None:
         self.model, self.cache, self.device = model, cache, device
-        self.graphs: dict[DecodeShape, Captured] = {}
+        self.graphs: dict[Any, Captured] = {}
         self.pool: tuple[int, int] | None = None
-        cache.decode_shapes = DecodeShapes(
+        cache.decode_shape = V4Buckets(
             batch_buckets(max_batch), position_buckets(cache.cfg.block_tokens, model.max_model_len)
         )
 
@@ -216,12 +245,9 @@ class V4DecodeGraphs(DecodeGraphs):
     ) -> torch.Tensor | None:
         if batch.shape is None:
             return None
-        captured = self.graphs.get(batch.shape)
-        if captured is None:
-            inputs = V4StaticInputs.allocate(batch.shape, self.cache, self.device)
-            replay, hidden = self.record(inputs)
-            captured = Captured(replay, inputs, hidden)
-            self.graphs[batch.shape] = captured
-        captured.inputs.fill(input_ids, positions, batch)
-        captured.replay()
-        return captured.hidden[: input_ids.shape[0]]
+        return self._replay(
+            batch.shape,
+            lambda: V4StaticInputs.allocate(batch.shape, self.cache, self.device),
+            lambda inputs: inputs.fill(input_ids, positions, batch),
+            input_ids.shape[0],
+        )

@@ -14,6 +14,7 @@ idle rows of a CUDA-graph decode batch, and windows that close nothing there, wr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -485,29 +486,6 @@ class V4Batch:
         return self
 
 
-@dataclass(frozen=True)
-class DecodeShapes:
-    """The graphs' decode shapes: batch sizes and context positions (multiples of the block
-    tokens), each a sorted list of buckets."""
-
-    batches: list[int]
-    positions: list[int]
-
-    def fit(self, seqs: list[V4SeqMeta]) -> DecodeShape | None:
-        """The smallest shape that holds these decodes (none fresh); None if none does."""
-        if any(s.fresh for s in seqs):
-            return None
-        batch = _smallest_at_least(len(seqs), self.batches)
-        positions = _smallest_at_least(max(s.start for s in seqs) + 1, self.positions)
-        if batch is None or positions is None:
-            return None
-        return DecodeShape(batch, positions)
-
-
-def _smallest_at_least(value: int, buckets: list[int]) -> int | None:
-    return next((b for b in buckets if b >= value), None)
-
-
 class V4Cache:
     def __init__(
         self, cfg: V4Config, groups: list[KVGroup], num_blocks: list[int], device: torch.device
@@ -523,8 +501,9 @@ class V4Cache:
         self.scratch_swa = by_name[SWA][1]
         self.scratch_state = by_name[STATE][1] if STATE in by_name else 0
         self.scratch_block = {kind: by_name[kind][1] for kind in (CSA, HCA) if kind in by_name}
-        # set by the decode graphs: decode-only steps within these shapes are padded to them
-        self.decode_shapes: DecodeShapes | None = None
+        # set by the decode graphs: (decodes, context) -> the shape a decode-only step of that
+        # many requests, all positions below context, is padded to; None where none fits
+        self.decode_shape: Callable[[int, int], DecodeShape | None] | None = None
         self.swa = [
             torch.zeros(self.scratch_swa + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
@@ -606,8 +585,10 @@ class V4Cache:
                     )
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
-            if self.decode_shapes is not None and len(decodes) == len(batch.seqs):
-                batch.shape = self.decode_shapes.fit(decodes)
+            # a graph's decodes: none starts a request (its state is reset first, eagerly)
+            graphed = self.decode_shape is not None and len(decodes) == len(batch.seqs)
+            if graphed and not any(s.fresh for s in decodes):
+                batch.shape = self.decode_shape(len(decodes), max(s.start for s in decodes) + 1)
             batch.decodes = self._decodes(decodes, batch.shape)
         return batch
 
