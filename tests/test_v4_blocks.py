@@ -126,22 +126,40 @@ def test_moe_matches_the_per_token_loop(hashed, path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "b,n", [(2, 300), (9, 40)]
-)  # one request's queries split; requests grouped
-def test_indexer_picks_the_top_k_of_the_visible_scores(b: int, n: int) -> None:
+    "b,n,floats,passes", [(2, 300, None, 2), (9, 40, None, 2), (3, 5, 4 * 37 * 2, 3)]
+)  # one request's queries split; requests grouped; passes of one request's two queries
+def test_indexer_picks_the_top_k_of_the_visible_scores(
+    b: int, n: int, floats: int | None, passes: int, monkeypatch
+) -> None:
+    from daemon.models.deepseek_v4 import attention
     from daemon.models.deepseek_v4.attention import INDEX_CHUNK, Indexer
+    from daemon.models.deepseek_v4.cache import EntryTable
 
-    assert b * n > INDEX_CHUNK
+    if floats is None:
+        assert b * n > INDEX_CHUNK
+    else:
+        monkeypatch.setattr(attention, "INDEX_FLOATS", floats)
     indexer = Indexer.__new__(Indexer)
     indexer.heads, indexer.dim, indexer.topk = 4, 8, 5
     g = torch.Generator().manual_seed(b)
-    e = 37
+    e, per_block = 37, 8
     q = torch.randn(b, n, 4, 8, generator=g)
     weights = torch.randn(b, n, 4, generator=g)
-    keys = torch.randn(b, e, 8, generator=g)
+    # each request's keys in paged blocks of 8 entries, its blocks in reverse order
+    nblocks = -(-e // per_block)
+    storage = torch.randn(b * nblocks, per_block, 8, generator=g)
+    blocks = torch.arange(b * nblocks).view(b, nblocks).flip(1)
+    table = EntryTable(blocks, per_block, e)
+    gathered: list[slice] = []  # the requests of each pass
+    gather = EntryTable.gather
+    monkeypatch.setattr(
+        EntryTable, "gather", lambda t, st, req: gathered.append(req) or gather(t, st, req)
+    )
+    keys = storage[blocks].flatten(1, 2)[:, :e]
     counts = torch.randint(6, e + 1, (b, n), generator=g)
-    picks = indexer.select(q, weights, keys, counts, seen_by_all=6)
+    picks = indexer.select(q, weights, table, storage, counts, seen_by_all=6)
     scores = torch.einsum("bnhd,bed->bnhe", q, keys).relu() * weights[..., None]
     scores = scores.sum(2).masked_fill(torch.arange(e) >= counts[..., None], float("-inf"))
     want = scores.topk(5, dim=-1).indices
+    assert len(gathered) == passes
     assert torch.equal(picks.sort(-1).values, want.sort(-1).values)

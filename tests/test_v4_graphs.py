@@ -64,11 +64,14 @@ def test_padded_decodes_write_idle_rows_to_scratch() -> None:
     assert d.state_blocks.tolist() == [0, 3, cache.scratch_state, cache.scratch_state]
     csa = d.entries[CSA]
     per_block = cache.per_block[CSA]
-    assert csa.rows.shape == (4, 16 // 4) and csa.counts.tolist() == [3, 3, 0, 0]
+    assert csa.table.width == 16 // 4 and csa.counts.tolist() == [3, 3, 0, 0]
     assert csa.closing_mask.tolist() == [True, False, False, False]
     scratch_row = cache.scratch_block[CSA] * per_block
     assert csa.closed_rows.tolist() == [4 * per_block + 2] + [scratch_row] * 3
-    assert csa.rows[0, :3].tolist() == [4 * per_block + i for i in range(3)]
+    # entries by block: request 0's blocks for the 16 // 4 entry slots, then its entry rows
+    assert csa.table.blocks[0].tolist() == tables[CSA][0][: -(-4 // per_block)]
+    rows = [tables[CSA][0][i // per_block] * per_block + i % per_block for i in range(3)]
+    assert csa.table.rows(torch.arange(3).expand(4, 3))[0].tolist() == rows
     hca = d.entries[HCA]
     assert hca.counts.tolist() == [1, 1, 0, 0] and not hca.closing_mask.any()
     # the pool's block views leave the scratch rows out

@@ -24,6 +24,7 @@ from daemon.models.deepseek_v4.blocks import (
 )
 from daemon.models.deepseek_v4.cache import (
     ChunkQueries,
+    EntryTable,
     V4Batch,
     V4Cache,
     V4Decodes,
@@ -42,10 +43,13 @@ from daemon.models.deepseek_v4.sparse import (
 )
 
 # queries attended at once: whole chunks of a step together (fewer, larger ops: on an
-# accelerator each op is a launch); the indexer's [queries, heads, entries] scores grow with the
-# context, so it scores fewer at once
+# accelerator each op is a launch); the indexer's keys and [queries, heads, entries] scores
+# grow with the context, so it scores fewer at once: at most INDEX_CHUNK queries, and keys and
+# per-head scores of at most INDEX_FLOATS float32 (64 MiB; at a 1M-token context with
+# V4-Flash's 64 heads of 128, a single query still needs 192 MiB: one at a time)
 QUERY_CHUNK = 2048
 INDEX_CHUNK = 256
+INDEX_FLOATS = 1 << 24
 
 
 class Indexer(nn.Module):
@@ -67,31 +71,35 @@ class Indexer(nn.Module):
         self,
         q: torch.Tensor,
         weights: torch.Tensor,
-        keys: torch.Tensor,
+        table: EntryTable,
+        storage: torch.Tensor,
         counts: torch.Tensor,
         seen_by_all: int,
     ) -> torch.Tensor:
         """Top-k entries by score sum_h w_h * ReLU(q_h . k) among those a query sees.
 
-        q [b, n, heads, dim], weights [b, n, heads], keys [b, E, dim] with E > k, counts
-        [b, n] (a query sees entries < its count; every query sees at least `seen_by_all`)
-        -> indices [b, n, k], torch.topk's choice up to ties; a query that sees fewer than k
-        entries is padded with entries it does not see."""
-        b, n, e = counts.shape[0], counts.shape[1], keys.shape[1]
+        q [b, n, heads, dim], weights [b, n, heads], keys: the b requests' `table` (width
+        E > k) in `storage` [paged blocks, per_block, dim], counts [b, n] (a query sees
+        entries < its count; every query sees at least `seen_by_all`) -> indices [b, n, k],
+        torch.topk's choice up to ties; a query that sees fewer than k entries is padded with
+        entries it does not see. Keys are gathered per pass, for that pass's requests only."""
+        b, n, e = counts.shape[0], counts.shape[1], table.width
         # ReLU commutes with positive factors: both scalings go on the weights
         scale = (self.dim**-0.5) * (self.heads**-0.5)
-        unseen = torch.arange(seen_by_all, e, device=keys.device)
-        per, part = max(1, INDEX_CHUNK // n), min(n, INDEX_CHUNK)  # requests, their queries
+        unseen = torch.arange(seen_by_all, e, device=storage.device)
+        # a pass: `per` requests' keys [per, E, dim] and `part` queries of each, their per-head
+        # scores [per * part, heads, E]
+        part = max(1, min(n, INDEX_CHUNK, INDEX_FLOATS // (self.heads * e)))
+        per = max(1, min(INDEX_CHUNK // part, INDEX_FLOATS // (e * (self.dim + part * self.heads))))
         picks = []
         for i in range(0, b, per):
             j = min(b, i + per)
+            keys = table.gather(storage, slice(i, j)).float().transpose(1, 2)
             row = []
             for lo in range(0, n, part):
                 hi = min(n, lo + part)
                 m = (j - i) * (hi - lo)
-                per_head = torch.bmm(
-                    q[i:j, lo:hi].flatten(1, 2).float(), keys[i:j].float().transpose(1, 2)
-                )
+                per_head = torch.bmm(q[i:j, lo:hi].flatten(1, 2).float(), keys)
                 per_head = per_head.relu_().view(m, self.heads, e)
                 w = (weights[i:j, lo:hi].float() * scale).reshape(m, 1, self.heads)
                 scores = torch.bmm(w, per_head).view(j - i, hi - lo, e)
@@ -216,10 +224,10 @@ class V4Attention(nn.Module):
         tiles = WindowTiles(keys, c.missing, self.window, self.heads)
         ring.index_copy_(0, c.ring_dst, kv.index_select(0, c.ring_src).to(ring.dtype))
         entries = None
-        rows = c.entry_rows.get(self.kind) if self.compressor is not None else None
-        if rows is not None:
+        table = c.entry_tables.get(self.kind) if self.compressor is not None else None
+        if table is not None:
             entries = self._entries(
-                rows, lambda t: gather_rows(t, c.query_rows), index_inputs, cache
+                table, lambda t: gather_rows(t, c.query_rows), index_inputs, cache
             )
         qs = gather_rows(q, c.query_rows)  # [R, padded, H, D]
         o = qs.new_empty(qs.shape)
@@ -247,23 +255,22 @@ class V4Attention(nn.Module):
 
     def _entries(
         self,
-        rows: torch.Tensor,
+        table: EntryTable,
         queries: Callable[[torch.Tensor], torch.Tensor],
         index_inputs,
         cache: V4Cache,
     ) -> CompressedEntries:
-        """The compressed entries in `rows` [R, E] of R requests; `queries` takes a tensor of
-        the step's tokens [T, ...] to those requests' queries [R, n, ...]."""
-        storage = cache.layers[self.layer].entries.view(-1, self.head_dim)
-        if self.indexer is None or rows.shape[1] <= self.indexer.topk:
-            return CompressedEntries(self.heads, gather_rows(storage, rows))
-        index_storage = cache.indexers[self.layer].entries.view(-1, self.indexer.dim)
+        """The compressed entries of R requests in `table`; `queries` takes a tensor of the
+        step's tokens [T, ...] to those requests' queries [R, n, ...]."""
+        storage = cache.layers[self.layer].entries
+        if self.indexer is None or table.width <= self.indexer.topk:
+            return CompressedEntries(self.heads, table.gather(storage))
         return CompressedEntries(
             self.heads,
             dense=None,
-            storage=storage,
-            rows=rows,
-            index_keys=gather_rows(index_storage, rows),
+            storage=storage.view(-1, self.head_dim),
+            table=table,
+            index_storage=cache.indexers[self.layer].entries,
             index_q=queries(index_inputs[0]),
             index_weights=queries(index_inputs[1]),
             indexer=self.indexer,
@@ -299,8 +306,8 @@ class V4Attention(nn.Module):
                     e,
                     self.compress_rope,
                 )
-            if e.rows.shape[1]:
-                entries = self._entries(e.rows, lambda t: t[d.rows][:, None], index_inputs, cache)
+            if e.table.width:
+                entries = self._entries(e.table, lambda t: t[d.rows][:, None], index_inputs, cache)
                 compressed = entries.attend(q[:, None], e.counts[:, None], slice(None), slice(None))
         window_logits = part_logits(q, window, blocked)
         logits = [window_logits] if compressed is None else [window_logits, compressed[0]]
@@ -320,8 +327,8 @@ class CompressedEntries:
     heads: int
     dense: torch.Tensor | None
     storage: torch.Tensor | None = None  # the layer's entries.view(-1, D)
-    rows: torch.Tensor | None = None  # [R, E] each request's entry rows
-    index_keys: torch.Tensor | None = None  # [R, E, index dim]
+    table: EntryTable | None = None  # each request's entries
+    index_storage: torch.Tensor | None = None  # the indexer's entries [blocks, per_block, dim]
     index_q: torch.Tensor | None = None  # [R, n, index heads, index dim]
     index_weights: torch.Tensor | None = None  # [R, n, index heads]
     indexer: Indexer | None = None
@@ -349,12 +356,13 @@ class CompressedEntries:
         picks = self.indexer.select(
             self.index_q[requests, queries],
             self.index_weights[requests, queries],
-            self.index_keys[requests],
+            self.table.of(requests),
+            self.index_storage,
             seen,
             0,
         )  # [r, n, k]
         k = picks.shape[-1]
-        rows = self.rows[requests].gather(1, picks.flatten(1)).view(r * n, k)
+        rows = self.table.of(requests).rows(picks).view(r * n, k)
         keys = gather_rows(self.storage, rows).to(q.dtype)  # [r * n, k, D]
         blocked = (picks >= seen[..., None]).view(r * n, 1, k)
         logits = part_logits(q.reshape(r * n, self.heads, -1), keys, blocked)

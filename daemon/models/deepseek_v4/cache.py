@@ -83,14 +83,46 @@ class CompressorState:
     block_ovl_gate: torch.Tensor | None = None
 
 
-def _entry_table(
-    tables: list[list[int]], counts: list[int], width: int, per_block: int
-) -> torch.Tensor:
-    """[B, width] rows of each request's first `counts[i]` entries, padded with row 0."""
-    nblocks = -(-width // per_block)
-    padded = [t[: -(-c // per_block)] for t, c in zip(tables, counts)]
-    index = torch.tensor([t + [0] * (nblocks - len(t)) for t in padded], dtype=torch.long)
-    return (index[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, :width]
+@dataclass
+class EntryTable:
+    """The compressed entries of one kind that R requests see, by paged block: entry e of
+    request r is entry e % per_block of block blocks[r, e // per_block]. Host metadata and
+    gathers go by block (1 / block_tokens of the context), not by entry."""
+
+    blocks: torch.Tensor  # [R, ceil(width / per_block)] each request's blocks, padded with 0
+    per_block: int
+    width: int  # the most entries any of the R requests sees
+
+    @classmethod
+    def build(
+        cls, tables: list[list[int]], counts: list[int], width: int, per_block: int
+    ) -> EntryTable:
+        """Requests with entry tables `tables` that see their first `counts[i]` entries."""
+        nblocks = -(-width // per_block)
+        used = [t[: -(-c // per_block)] for t, c in zip(tables, counts)]
+        blocks = torch.tensor([t + [0] * (nblocks - len(t)) for t in used], dtype=torch.long)
+        return cls(blocks.view(len(tables), nblocks), per_block, width)
+
+    def of(self, requests: slice) -> EntryTable:
+        """The table of some of the requests."""
+        return replace(self, blocks=self.blocks[requests])
+
+    def gather(self, storage: torch.Tensor, requests: slice = slice(None)) -> torch.Tensor:
+        """The requests' entries [r, width, dim] from `storage` [paged blocks, per_block, dim]:
+        one copy per block."""
+        blocks = self.blocks[requests]
+        whole = storage.index_select(0, blocks.flatten())
+        return whole.view(blocks.shape[0], -1, storage.shape[-1])[:, : self.width]
+
+    def rows(self, picks: torch.Tensor) -> torch.Tensor:
+        """Entry indices picks [R, ...] -> their rows in storage.view(-1, dim)."""
+        flat = picks.flatten(1)
+        block = self.blocks.gather(1, flat.div(self.per_block, rounding_mode="floor"))
+        return (block * self.per_block + flat % self.per_block).view(picks.shape)
+
+    def to(self, device: torch.device) -> EntryTable:
+        self.blocks = self.blocks.to(device, non_blocking=True)
+        return self
 
 
 @dataclass(frozen=True)
@@ -103,17 +135,23 @@ class DecodeShape:
 
 
 def _move_tensor_fields(obj: object, device: torch.device) -> None:
-    """Every tensor attribute of `obj` moved to `device` (asynchronously where it can)."""
+    """Every tensor attribute of `obj` (and of its entry table) moved to `device`
+    (asynchronously where it can)."""
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device, non_blocking=True))
+        elif isinstance(value, EntryTable):
+            value.to(device)
 
 
 def _copy_tensor_fields(dst: object, src: object) -> None:
-    """Every tensor attribute of `src` copied into `dst`'s tensor of the same name."""
+    """Every tensor attribute of `src` (and of its entry table) copied into `dst`'s tensor of
+    the same name."""
     for name, value in vars(src).items():
         if isinstance(value, torch.Tensor):
             getattr(dst, name).copy_(value, non_blocking=True)
+        elif isinstance(value, EntryTable):
+            getattr(dst, name).blocks.copy_(value.blocks, non_blocking=True)
 
 
 @dataclass
@@ -139,7 +177,7 @@ class DecodeEntries:
     """The batched decodes' compressed entries of one kind (csa or hca), as index tensors
     built once per step on the host and shared by every layer of that kind."""
 
-    rows: torch.Tensor  # [B, E] entry rows of each request, padded with row 0 to the longest
+    table: EntryTable  # each request's entries, by block
     counts: torch.Tensor  # [B] entries each request sees, (position + 1) // rate
     buffer_rows: torch.Tensor  # [B] the token's row in `buf_kv.view(-1, C)`: its open window's slot
     closing: torch.Tensor  # [C] decodes whose token closes a window
@@ -170,7 +208,7 @@ class DecodeEntries:
         counts_t = torch.tensor(counts, dtype=torch.long)
         closing_t = torch.tensor(closing, dtype=torch.long)
         return cls(
-            rows=_entry_table(tables, counts, longest, per_block),
+            table=EntryTable.build(tables, counts, longest, per_block),
             counts=counts_t,
             buffer_rows=state_blocks * rate + torch.tensor([p % rate for p in positions]),
             closing=closing_t,
@@ -216,7 +254,7 @@ class DecodeEntries:
         slots = torch.tensor([p % rate for p in positions] + [0] * idle)
         every = torch.arange(shape.batch)
         return cls(
-            rows=_entry_table(all_tables, counts, longest, per_block),
+            table=EntryTable.build(all_tables, counts, longest, per_block),
             counts=counts_t,
             buffer_rows=state_blocks * rate + slots,
             closing=every,
@@ -249,7 +287,8 @@ class DecodeEntries:
     def buffers(self) -> DecodeEntries:
         """A copy with tensors of its own (a graph's static inputs), no RoPE table cached."""
         copies = {k: v.clone() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return replace(self, **copies, closed_rope=None)
+        table = replace(self.table, blocks=self.table.blocks.clone())
+        return replace(self, **copies, table=table, closed_rope=None)
 
 
 @dataclass
@@ -359,9 +398,8 @@ class ChunkQueries:
     missing: torch.Tensor  # [R] how many of those have no KV (before 0 or the replay floor)
     ring_dst: torch.Tensor  # [K] ring rows the chunks' last tokens go to
     ring_src: torch.Tensor  # [K] their rows in the flat token batch
-    # by kind: [R, E] rows in `entries.view(-1, dim)` of the entries each chunk sees at its
-    # end (E: the most any sees), padded with row 0; a query sees (position + 1) // rate
-    entry_rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    # by kind: the entries each chunk sees at its end; a query sees (position + 1) // rate
+    entry_tables: dict[str, EntryTable] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -406,14 +444,15 @@ class ChunkQueries:
                 tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
                 counts = [(s.start + s.num_tokens) // rate for s in seqs]
                 if max(counts):
-                    out.entry_rows[kind] = _entry_table(
+                    out.entry_tables[kind] = EntryTable.build(
                         tables, counts, max(counts), per_block[kind]
                     )
         return out
 
     def to(self, device: torch.device) -> ChunkQueries:
         _move_tensor_fields(self, device)
-        self.entry_rows = {k: v.to(device, non_blocking=True) for k, v in self.entry_rows.items()}
+        for table in self.entry_tables.values():
+            table.to(device)
         return self
 
 
