@@ -247,3 +247,25 @@ async def collect_with_priority(engine: Engine, prompt: list[int], priority: int
     req = engine.add_request(prompt, GREEDY, priority=priority)
     async for _ in engine.stream(req):
         pass
+
+
+async def test_a_cpu_engine_keeps_one_openmp_team_and_none_when_idle(checkpoint, prompts):
+    """The loop's thread hands back any OpenMP team it made (two teams on the cores make
+    every parallel op wake its threads from sleep), and the device thread its own once idle."""
+    from tests.test_openmp_team import os_threads, parallel_op
+
+    engine = await started(checkpoint, cpu_threads=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    try:
+        await collect(engine, prompts[4], params)
+        await asyncio.sleep(0.2)  # the loop goes idle
+        idle = os_threads()
+        parallel_op()  # this (the loop's) thread makes a team
+        assert os_threads() == idle + 1
+        counts = [os_threads() async for _ in engine.generate(prompts[3], params)]
+        # mid-burst: the device thread's team only (the loop let its own go)
+        assert counts[0] == idle + 1
+        await asyncio.sleep(0.2)
+        assert os_threads() == idle
+    finally:
+        await engine.stop()

@@ -23,6 +23,7 @@ import structlog
 from daemon.kv.manager import KVManager
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
 from daemon.loop.prefix import CacheOps
 from daemon.loop.request import (
@@ -91,6 +92,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # the device worker: one thread, steps in order (expert parallel: a LockstepExecutor)
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+        # a CPU forward: its OpenMP team is the only one while the engine works, none while it
+        # idles (a lockstep worker keeps stepping when idle: it keeps its team)
+        self._one_team = runner.cpu_threads > 0
+        self._idle_team_release = self._one_team and executor is None
         self.moe: Any = None  # the MoE controller, for administration
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -295,6 +300,8 @@ class Engine:
         inflight: deque[Inflight] = deque()
         try:
             while True:
+                if self._one_team:
+                    release_thread_team()  # this thread's, if anything here made one
                 step = None
                 if self.overlap or not inflight:
                     step = self.scheduler.schedule()
@@ -327,6 +334,8 @@ class Engine:
                 elif not inflight:
                     self._wakeup.clear()
                     if not self.scheduler.has_work:
+                        if self._idle_team_release:  # queued: runs before any next step
+                            self._executor.submit(release_thread_team)
                         await self._wakeup.wait()
                     else:
                         await asyncio.sleep(0.001)  # work exists but nothing fits yet
