@@ -38,7 +38,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=S)
     g.add_argument("--max-model-len", type=int, default=S)
     g.add_argument("--block-size", type=int, default=S)
-    g.add_argument(
+    overlap = g.add_mutually_exclusive_group()
+    overlap.add_argument(
+        "--overlap",
+        action="store_true",
+        default=S,
+        help="schedule step N+1 while step N runs, also on a CPU whose forward takes every core "
+        "(default: on with an accelerator, or where a core is left to the event loop)",
+    )
+    overlap.add_argument(
         "--no-overlap",
         action="store_true",
         default=S,

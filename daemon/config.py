@@ -16,7 +16,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
-    overlap: bool = True
+    # None: on with an accelerator; on a CPU only where the forward leaves a core to the loop
+    overlap: bool | None = None
     enforce_eager: bool = False  # no CUDA graphs (they replay decode steps on cuda)
     cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
     seed: int = 0

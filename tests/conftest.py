@@ -96,6 +96,7 @@ def api_server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     engine_cfg = EngineConfig(
         model=str(tiny_model_dir),
         served_model_name=TINY_SERVED_NAME,
+        overlap=True,  # the loop path of accelerator nodes (a CPU default leaves it off)
         kv_cache_memory_gb=0.05,
         max_num_seqs=16,
         max_model_len=TINY_MAX_MODEL_LEN,
@@ -151,6 +152,7 @@ def v4_api_server(v4_model_dir: Path) -> Iterator[LiveServer]:
     engine_cfg = EngineConfig(
         model=str(v4_model_dir),
         served_model_name=V4_SERVED_NAME,
+        overlap=True,
         kv_cache_memory_gb=0.1,
         max_num_seqs=64,
         max_model_len=4096,

@@ -44,6 +44,7 @@ def server(chat_dir: Path) -> Iterator[LiveServer]:
             kv_cache_memory_gb=0.05,
             max_num_seqs=8,
             max_model_len=1024,
+            overlap=True,
         ),
         ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1),
     )

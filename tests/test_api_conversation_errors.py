@@ -138,6 +138,7 @@ def guarded_server(v4_model_dir):
         served_model_name=M,
         kv_cache_memory_gb=0.05,
         max_num_seqs=1,
+        overlap=True,
         max_model_len=4096,
     )
     server_cfg = ServerConfig(

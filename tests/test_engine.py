@@ -47,7 +47,9 @@ def reference_outputs(checkpoint: Path, prompts: list[list[int]]) -> list[list[i
 
 
 async def started(checkpoint: Path, **overrides) -> Engine:
-    settings = dict(model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_batched_tokens=64)
+    settings = dict(
+        model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_batched_tokens=64, overlap=True
+    )
     engine, _ = build_engine(EngineConfig(**(settings | overrides)))
     await engine.start()
     return engine

@@ -39,6 +39,7 @@ async def engine_for(checkpoint: Path, **overrides) -> Engine:
         max_num_seqs=4,
         max_num_batched_tokens=128,
         traffic_classes=["scratch=0"],
+        overlap=True,
     )
     engine, _ = build_engine(EngineConfig(**(settings | overrides)))
     await engine.start()

@@ -34,7 +34,9 @@ def prompts() -> list[list[int]]:
 
 def settings(checkpoint: Path, **overrides) -> EngineConfig:
     # gloo on the CPU: also on a machine with one GPU, which NCCL ranks could not share
-    base = dict(model=str(checkpoint), device="cpu", kv_cache_memory_gb=0.01, max_num_seqs=8)
+    base = dict(
+        model=str(checkpoint), device="cpu", kv_cache_memory_gb=0.01, max_num_seqs=8, overlap=True
+    )
     return EngineConfig(**(base | overrides))
 
 

@@ -107,3 +107,26 @@ def test_serve_refuses_a_bad_file(tmp_path: Path) -> None:
     done = _cli("serve", "--config", str(_write(tmp_path, "[engine]\nblock_size = -1\n")))
     assert done.returncode == 2 and "engine.block_size" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
+    import os
+
+    import torch
+
+    from daemon.build import resolve_overlap
+    from daemon.cli import _overrides, build_parser
+    from daemon.config import EngineConfig
+
+    cores, cpu = len(os.sched_getaffinity(0)), torch.device("cpu")
+    assert resolve_overlap(EngineConfig(), cpu, cores) is False
+    assert resolve_overlap(EngineConfig(), cpu, max(cores - 1, 0)) is (cores > 1)
+    assert resolve_overlap(EngineConfig(), torch.device("cuda"), 0) is True
+    assert resolve_overlap(EngineConfig(overlap=True), cpu, cores) is True
+    assert resolve_overlap(EngineConfig(overlap=False), torch.device("cuda"), 0) is False
+    flags = {(): None, ("--overlap",): True, ("--no-overlap",): False}
+    for args, want in flags.items():
+        given = _overrides(build_parser().parse_args(["serve", *args]))["engine"]
+        assert given.get("overlap") is want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--overlap", "--no-overlap"])

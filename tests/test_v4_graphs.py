@@ -122,6 +122,7 @@ async def _run(checkpoint: Path, device: str, graphs: type[V4DecodeGraphs] | Non
             kv_cache_memory_gb=0.02,
             max_num_seqs=8,
             enforce_eager=graphs is None,
+            overlap=True,
         )
     )
     runner = engine.runner

@@ -24,7 +24,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 async def engine_for(checkpoint: Path, **overrides) -> Engine:
-    settings = dict(model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_seqs=4)
+    settings = dict(model=str(checkpoint), kv_cache_memory_gb=0.01, max_num_seqs=4, overlap=True)
     engine, _ = build_engine(EngineConfig(**(settings | overrides)))
     await engine.start()
     return engine
