@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 OMP_PAUSE_SOFT = 1  # OpenMP 5.0 omp_pause_resource_t: threads go, the runtime stays ready
 
 
 @functools.cache
-def _pause_all() -> ctypes._CFuncPtr | None:
+def _pause_all() -> Callable[[int], int] | None:
     """`omp_pause_resource_all` of the OpenMP runtime torch loaded (GNU or Intel), if any."""
     import torch  # noqa: F401  (loads the runtime)
 
