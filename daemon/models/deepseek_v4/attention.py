@@ -353,16 +353,17 @@ class CompressedEntries:
                 return torch.matmul(flat, keys).view(r * n, self.heads, -1)
 
             return logits.view(r * n, self.heads, e), values
+        table = self.table.of(requests)
         picks = self.indexer.select(
             self.index_q[requests, queries],
             self.index_weights[requests, queries],
-            self.table.of(requests),
+            table,
             self.index_storage,
             seen,
             0,
         )  # [r, n, k]
         k = picks.shape[-1]
-        rows = self.table.of(requests).rows(picks).view(r * n, k)
+        rows = table.rows(picks).view(r * n, k)
         keys = gather_rows(self.storage, rows).to(q.dtype)  # [r * n, k, D]
         blocked = (picks >= seen[..., None]).view(r * n, 1, k)
         logits = part_logits(q.reshape(r * n, self.heads, -1), keys, blocked)
