@@ -31,10 +31,10 @@ from bench.common import (
 )
 
 
-def matmul_gflops(m: int, k: int, n: int, reps: int) -> float:
-    """Median GFLOP/s of an fp32 [m, k] x [k, n] matmul (weights stored [n, k] as nn.Linear)."""
-    a, w = torch.randn(m, k), torch.randn(n, k)
-    out = torch.empty(m, n)
+def matmul_gflops(m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32) -> float:
+    """Median GFLOP/s of a [m, k] x [k, n] matmul (weights stored [n, k] as nn.Linear)."""
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype)
     for _ in range(2):
         torch.mm(a, w.t(), out=out)
     times = []

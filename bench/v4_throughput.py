@@ -1,7 +1,8 @@
 """Greedy decode throughput on a small random DeepSeek-V4: our engine vs transformers' `generate`,
 at 1 and at N concurrent requests (same prompts, same number of output tokens).
 
-    python -m bench.v4_throughput [--concurrency 1 32 --prompt-len 256 --output-len 64 --repeats 3]
+    python -m bench.v4_throughput [--concurrency 1 32 --prompt-len 256 --output-len 64 --repeats 3
+                                   --dtype float32]
 
 Prompts within a run all have the same length, so transformers gets an unpadded batch (its
 reference compressors ignore padding). Each repeat draws fresh prompts, so no prefix-cache hits.
@@ -68,14 +69,14 @@ def make_bench_checkpoint(root: Path, weight_scale: float = 0.05, **overrides: A
     return make_v4_checkpoint(root, weight_scale=weight_scale, **(V4_BENCH | overrides))
 
 
-def describe(cfg: dict[str, Any]) -> str:
+def describe(cfg: dict[str, Any], dtype: str = "float32") -> str:
     return (
         f"V4 {cfg['num_hidden_layers']}L hidden {cfg['hidden_size']} heads "
         f"{cfg['num_attention_heads']}x{cfg['head_dim']} experts {cfg['n_routed_experts']} "
         f"top-{cfg['num_experts_per_tok']} ffn {cfg['moe_intermediate_size']} "
         f"window {cfg['sliding_window']} rates 4/128 index {cfg['index_n_heads']}x"
         f"{cfg['index_head_dim']} top-{cfg['index_topk']} hc {cfg['hc_mult']} "
-        f"vocab {cfg['vocab_size']} fp32"
+        f"vocab {cfg['vocab_size']} {dtype}"
     )
 
 
@@ -190,13 +191,14 @@ class Series:
 
 
 def work_floor(cfg: V4Config, series: dict[int, Series], args: argparse.Namespace) -> str:
-    """The run's FLOPs at this machine's fp32 matmul peak: the least time any implementation
-    needs here, and so the most any can gain over transformers' measured time."""
+    """The run's FLOPs at this machine's matmul peak in the run's dtype: the least time any
+    implementation needs here, and so the most any can gain over transformers' measured time."""
     from bench.mfu import matmul_gflops
 
-    peak = max(matmul_gflops(2048, 2048, 2048, 3) for _ in range(5))  # the best rate seen
+    dtype = getattr(torch, args.dtype)
+    peak = max(matmul_gflops(2048, 2048, 2048, 3, dtype) for _ in range(5))  # the best rate seen
     lines = [
-        f"work floor: fp32 matmul peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads, "
+        f"work floor: {args.dtype} matmul peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads, "
         "2048^3, best of 5; the model's own shapes run slower)"
     ]
     for c, s in series.items():
@@ -223,7 +225,7 @@ async def bench(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="deepinfer-v4-bench-"))
     graphs = "eager" if args.enforce_eager or args.device != "cuda" else "CUDA graphs"
-    print("model:", describe(V4_BENCH), "|", machine(), "| device", args.device, graphs)
+    print("model:", describe(V4_BENCH, args.dtype), "|", machine(), "| device", args.device, graphs)
     path = make_bench_checkpoint(root)
     top = max(args.concurrency)
     engine, _ = build_engine(
@@ -234,6 +236,7 @@ async def bench(args: argparse.Namespace) -> None:
             max_num_seqs=max(top, 2),
             max_num_batched_tokens=max(args.max_batched_tokens, args.prompt_len),
             enforce_eager=args.enforce_eager,
+            dtype=args.dtype,
             **engine_threads(args),
         )
     )
@@ -242,7 +245,8 @@ async def bench(args: argparse.Namespace) -> None:
     print(
         f"engine forward threads {forward_threads(engine)}, transformers {torch.get_num_threads()}"
     )
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     vocab = V4_BENCH["vocab_size"]
     await engine.start()
     seed = iter(range(1_000_000))
@@ -308,6 +312,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-gb", type=float, default=1.0)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="both systems' (bfloat16: V4's serving dtype; greedy agreement then drops to chance "
+        "on random weights, whose top logits are near-ties)",
+    )
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument(
         "--threads",

@@ -61,10 +61,10 @@ def make_dense_checkpoint(
     return path
 
 
-def load_reference(path: Path):
+def load_reference(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 V4_TINY = dict(
