@@ -15,7 +15,7 @@ from daemon.demo import DEMO_NAME, ensure_demo_model, is_demo
 from daemon.device import resolve_device, resolve_dtype
 from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
-from daemon.kv.manager import KVManager
+from daemon.kv.manager import KVBudgetTooSmall, KVManager
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.swa_cache import SWACache
 from daemon.kv.traffic import TrafficClasses
@@ -23,8 +23,10 @@ from daemon.loop.engine import Engine
 from daemon.loop.prefix import PrefixCache
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
-from daemon.models.loader import checkpoint_dtype, load_model, read_config
+from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
+from daemon.models.rope import UnsupportedRope
 from daemon.moe.setup import setup_moe
+from daemon.startup import failing_as
 from daemon.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -33,17 +35,22 @@ KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old st
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
-    """The engine and the name it serves the model under."""
-    path = Path(cfg.model) if cfg.model else ensure_demo_model()
-    hf_config = read_config(path)
-    device = resolve_device(cfg.device)
+    """The engine and the name it serves the model under. A model, device or KV budget that
+    cannot serve raises StartupError."""
+    with failing_as("model", ModelLoadError, OSError):
+        path = Path(cfg.model) if cfg.model else ensure_demo_model()
+        hf_config = read_config(path)
+    with failing_as(f"device {cfg.device}", RuntimeError, ValueError):
+        device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
-    loaded = load_model(path, device, dtype)
+    with failing_as(f"model {path}", ModelLoadError, UnsupportedRope, OSError):
+        loaded = load_model(path, device, dtype)
     model = loaded.model
     tokenizer = TextTokenizer.from_dir(path, hf_config)
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
-    kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
+    with failing_as("KV cache", KVBudgetTooSmall):
+        kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
     overlap = resolve_overlap(cfg, device, cpu_threads)
     runner = ModelRunner(

@@ -19,6 +19,7 @@ from daemon.config import EngineConfig, ServerConfig
 from daemon.logging_setup import setup_logging
 from daemon.paths import cache_dir
 from daemon.settings import LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
+from daemon.startup import EXIT_STARTUP_FAILED, StartupError
 
 S = argparse.SUPPRESS  # flags not given leave the settings file and environment alone
 
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_generate(args, settings.engine))
     except KeyboardInterrupt:
         return 130
+    except StartupError as e:
+        log.error("startup_failed", error=str(e))
+        return EXIT_STARTUP_FAILED
     return 0
 
 

@@ -25,12 +25,10 @@ def resolve_device(name: str) -> torch.device:
         try:
             importlib.import_module("torch_npu")  # registers the npu backend with torch
         except ImportError as e:
-            raise RuntimeError(
-                "device npu needs the `ascend` extra (torch-npu) and the CANN toolkit"
-            ) from e
+            raise RuntimeError("needs the `ascend` extra (torch-npu) and the CANN toolkit") from e
         return torch.device("npu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda was asked for, but torch sees no CUDA device")
+        raise RuntimeError("torch sees no CUDA device")
     if name not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or npu")
     return torch.device(name)

@@ -37,6 +37,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise AssertionError("the server did not become healthy")
 
 
+def serve_command(port: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "daemon", "serve", "--port", str(port), *args]
+
+
+def checkout_env() -> dict[str, str]:
+    """The checkout first on the path, then whatever the caller's PYTHONPATH holds (packages
+    kept elsewhere)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return os.environ | {"PYTHONPATH": path}
+
+
 @contextlib.contextmanager
 def daemon(
     args: list[str], log_path: Path, timeout: float = 120
@@ -44,12 +55,14 @@ def daemon(
     """`python -m daemon serve ARGS --port <free>`; yields (base url, process). Leaving the
     block kills the process if the test did not stop it."""
     port = free_port()
-    cmd = [sys.executable, "-m", "daemon", "serve", "--port", str(port), *args]
-    # the checkout first, then whatever the caller's PYTHONPATH holds (packages kept elsewhere)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = os.environ | {"PYTHONPATH": path}
     with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            serve_command(port, args),
+            cwd=ROOT,
+            env=checkout_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, proc, timeout)

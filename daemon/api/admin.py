@@ -5,6 +5,7 @@ MoE intervals, drain and resume. `deepinfer admin ...` is its client."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import orjson
@@ -13,6 +14,7 @@ from aiohttp import web
 from daemon.api.errors import ApiError, bad_request, error_middleware
 from daemon.api.params import get_int
 from daemon.api.state import ApiState
+from daemon.startup import failing_as
 
 routes = web.RouteTableDef()
 ADMIN: web.AppKey[ApiState] = web.AppKey("deepinfer_admin", ApiState)
@@ -117,17 +119,28 @@ def create_admin_app(state: ApiState) -> web.Application:
     return app
 
 
-async def start_admin(state: ApiState, path: str) -> web.AppRunner:
-    """Serve the admin app on `path`; the socket is created mode 0600."""
-    sock = Path(path)
-    sock.parent.mkdir(parents=True, exist_ok=True)
-    sock.unlink(missing_ok=True)  # left behind by a crash
+def bind_admin(path: str) -> socket.socket:
+    """The admin socket bound at `path` (mode 0600), not yet listening. StartupError when the
+    path cannot hold a socket."""
+    with failing_as(f"cannot create the admin socket {path}", OSError):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).unlink(missing_ok=True)  # left behind by a crash
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # no window in which others could connect
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+    return sock
+
+
+async def start_admin(state: ApiState, sock: socket.socket) -> web.AppRunner:
+    """Serve the admin app on `sock` (from `bind_admin`)."""
     runner = web.AppRunner(create_admin_app(state), access_log=None)
     await runner.setup()
-    old = os.umask(0o177)  # no window in which others could connect
-    try:
-        await web.UnixSite(runner, path).start()
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
+    await web.SockSite(runner, sock).start()
     return runner

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from aiohttp import web
 from daemon import logging_setup
 from daemon.api import completions, conversations, metrics, models, tokenize
 from daemon.api.access import AccessLogger, echo_request_id, request_id_middleware
-from daemon.api.admin import start_admin
+from daemon.api.admin import bind_admin, start_admin
 from daemon.api.auth import auth_middleware
 from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
@@ -32,6 +33,7 @@ from daemon.models.loader import read_config
 from daemon.recipe.codec import RecipeCodec
 from daemon.sd_notify import Notifier
 from daemon.settings import ConfigError, Settings
+from daemon.startup import failing_as
 
 log = structlog.get_logger(__name__)
 
@@ -106,8 +108,33 @@ async def _stop_engine(app: web.Application) -> None:
         app[STATE].constraints.close()
 
 
-async def start_server(app: web.Application, server_cfg: ServerConfig) -> web.AppRunner:
-    """Starts serving `app` on host:port (port 0 = any free one; see `bound_port`)."""
+def bind_tcp(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host:port (as aiohttp's TCPSite binds them), not yet
+    listening: connections are refused until the server starts on them. StartupError when an
+    address is taken or not this host's."""
+    socks: list[socket.socket] = []
+    with failing_as(f"cannot listen on {host}:{port}", OSError):
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio does: "::" is not also 0.0.0.0
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            raise
+    return socks
+
+
+async def start_server(
+    app: web.Application, server_cfg: ServerConfig, socks: list[socket.socket] | None = None
+) -> web.AppRunner:
+    """Starts serving `app` on `socks` (from `bind_tcp`), or else on host:port (port 0 = any
+    free one; see `bound_port`)."""
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -116,7 +143,11 @@ async def start_server(app: web.Application, server_cfg: ServerConfig) -> web.Ap
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, server_cfg.host, server_cfg.port).start()
+        if socks is not None:
+            for sock in socks:
+                await web.SockSite(runner, sock).start()
+        else:
+            await web.TCPSite(runner, server_cfg.host, server_cfg.port).start()
     except BaseException:
         await runner.cleanup()
         raise
@@ -132,15 +163,22 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     running ones finish within `shutdown_timeout`; a second signal aborts them) and exits.
     SIGHUP re-reads the settings (`reload`) and applies what can change live."""
     engine_cfg, server_cfg = settings.engine, settings.server
-    engine, name = build_engine(engine_cfg)
+    # Both sockets are bound before the model loads (minutes, for a big one), so that a taken
+    # port or an unusable socket path stops the start at once.
+    with contextlib.ExitStack() as unused:
+        socks = [unused.enter_context(s) for s in bind_tcp(server_cfg.host, server_cfg.port)]
+        admin_sock = None
+        if server_cfg.admin_socket:
+            admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
+            unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
+        engine, name = build_engine(engine_cfg)
+        unused.pop_all()  # the sites own them from here
     demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
-    runner = await start_server(app, server_cfg)
+    runner = await start_server(app, server_cfg, socks)
     url = f"http://{server_cfg.host}:{bound_port(runner)}/v1"
-    admin = (
-        await start_admin(app[STATE], server_cfg.admin_socket) if server_cfg.admin_socket else None
-    )
+    admin = await start_admin(app[STATE], admin_sock) if admin_sock is not None else None
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
     log.info(

@@ -9,6 +9,10 @@ from daemon.kv.block_pool import BlockPool
 from daemon.kv.spec import KVGroup
 
 
+class KVBudgetTooSmall(ValueError):
+    pass
+
+
 @dataclass
 class KVUsage:
     num_blocks: int
@@ -23,11 +27,20 @@ class KVManager:
         # Per-request state gets one block per possible running request; what is
         # left goes to paged groups, each with blocks for the same number of token
         # positions, so the rest is split in proportion to their bytes per token.
+        budget = memory_bytes
         fixed = [g for g in groups if g.spec.per_request]
         paged = [g for g in groups if not g.spec.per_request]
         memory_bytes -= sum(g.spec.bytes_per_block * max_num_seqs for g in fixed)
         bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in paged)
         capacity_tokens = int(max(memory_bytes, 0) // bytes_per_token) if paged else 0
+        block_tokens = max((g.spec.block_size for g in paged), default=0)
+        if capacity_tokens < block_tokens:
+            raise KVBudgetTooSmall(
+                f"{budget / 2**20:.1f} MiB of KV memory hold no block: the state of "
+                f"{max_num_seqs} running requests takes {(budget - memory_bytes) / 2**20:.1f} MiB, "
+                f"then a block of every paged group {block_tokens * bytes_per_token / 2**20:.2f} "
+                "MiB; raise kv_cache_memory_gb or lower max_num_seqs"
+            )
         self.pools = [
             BlockPool(max_num_seqs if g.spec.per_request else capacity_tokens // g.spec.block_size)
             for g in groups

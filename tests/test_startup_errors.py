@@ -1,0 +1,67 @@
+"""A daemon that cannot start says why in one structured line and exits 3, never with a
+traceback: a taken port or an unusable admin socket path before the model loads, a missing
+model, a KV budget that holds no block, a device that is not there."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from daemon.startup import EXIT_STARTUP_FAILED
+from tests.daemons import ROOT, checkout_env, free_port, serve_command
+
+
+def failed_start(args: list[str], port: int | None = None) -> tuple[str, str]:
+    """Runs `deepinfer serve ARGS` to its exit: (the startup_failed error, the whole output)."""
+    done = subprocess.run(
+        serve_command(port or free_port(), [*args, "--no-kv-store", "--log-format", "json"]),
+        cwd=ROOT,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_STARTUP_FAILED, output
+    assert "Traceback" not in output
+    events = [orjson.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert events[-1]["event"] == "startup_failed" and events[-1]["level"] == "error"
+    return events[-1]["error"], output
+
+
+def test_a_taken_port_fails_the_start_before_the_model_loads(tiny_model_dir: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        error, output = failed_start(["--model", str(tiny_model_dir)], port)
+    assert error == f"cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "model_loaded" not in output
+
+
+def test_an_admin_socket_path_that_cannot_be_made(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "admin.sock"
+    error, output = failed_start(["--model", str(tiny_model_dir), "--admin-socket", str(path)])
+    assert error == f"cannot create the admin socket {path}: File exists ({path.parent})"
+    assert "model_loaded" not in output
+
+
+def test_a_missing_model(tmp_path: Path) -> None:
+    error, _ = failed_start(["--model", str(tmp_path / "none")])
+    assert error == f"model: {tmp_path / 'none'} has no config.json"
+
+
+def test_a_kv_budget_that_holds_no_block(tiny_model_dir: Path) -> None:
+    error, _ = failed_start(["--model", str(tiny_model_dir), "--kv-cache-memory-gb", "0.000001"])
+    assert error.startswith("KV cache: 0.0 MiB of KV memory hold no block")
+    assert error.endswith("raise kv_cache_memory_gb or lower max_num_seqs")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_a_device_that_is_not_there(tiny_model_dir: Path) -> None:
+    error, _ = failed_start(["--model", str(tiny_model_dir), "--device", "cuda"])
+    assert error == "device cuda: torch sees no CUDA device"
