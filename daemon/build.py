@@ -48,9 +48,17 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     model = loaded.model
     tokenizer = TextTokenizer.from_dir(path, hf_config)
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
+    if cfg.max_model_len and cfg.max_model_len > max_model_len:
+        log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
     with failing_as("KV cache", KVBudgetTooSmall):
         kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
+    if kv.paged and kv.capacity_tokens() < max_model_len:
+        log.warning(  # such requests are refused with this reason; shorter ones run
+            "kv_pool_below_max_model_len",
+            kv_capacity_tokens=kv.capacity_tokens(),
+            max_model_len=max_model_len,
+        )
     cpu_threads = _cpu_threads(cfg)
     overlap = resolve_overlap(cfg, device, cpu_threads)
     runner = ModelRunner(

@@ -65,3 +65,23 @@ def test_a_kv_budget_that_holds_no_block(tiny_model_dir: Path) -> None:
 def test_a_device_that_is_not_there(tiny_model_dir: Path) -> None:
     error, _ = failed_start(["--model", str(tiny_model_dir), "--device", "cuda"])
     assert error == "device cuda: torch sees no CUDA device"
+
+
+def test_a_start_that_cannot_honour_max_model_len_says_so(tiny_model_dir: Path) -> None:
+    """Not failures: a max_model_len above the model's is lowered, and a KV pool smaller than
+    one request of it still serves shorter ones; each start says so in a warning."""
+    from structlog.testing import capture_logs
+
+    from daemon.build import build_engine
+    from daemon.config import EngineConfig
+
+    cfg = EngineConfig(
+        model=str(tiny_model_dir), max_model_len=10**8, kv_cache_memory_gb=0.0002, max_num_seqs=2
+    )
+    with capture_logs() as logs:
+        engine, _ = build_engine(cfg)
+    warnings = {e["event"]: e for e in logs if e["log_level"] == "warning"}
+    supported = warnings["max_model_len_lowered"]["model_supports"]
+    assert engine.max_model_len == supported < 10**8
+    pool = warnings["kv_pool_below_max_model_len"]
+    assert pool["kv_capacity_tokens"] == engine.kv.capacity_tokens() < supported
