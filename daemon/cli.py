@@ -272,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"deepinfer: invalid settings: {e}", file=sys.stderr)
         return 2
-    setup_logging(settings.logging.level, settings.logging.format, settings.logging.file)
+    try:
+        setup_logging(settings.logging.level, settings.logging.format, settings.logging.file)
+    except OSError as e:
+        print(f"deepinfer: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
     if not settings.engine.model:
         log.warning(
             "demo_model",

@@ -81,7 +81,17 @@ async def test_sighup_reloads_live_settings(tiny_model_dir: Path, tmp_path: Path
             proc.send_signal(signal.SIGHUP)
             await asyncio.sleep(1.0)
             assert await status() == 401 and await status(Authorization="Bearer k2") == 200
+            (tmp_path / "a-file").write_text("")
+            unopenable = tmp_path / "a-file" / "d.log"  # rejected too, the API key with it
+            config.write_text(f'[server]\napi_key = "k3"\n[logging]\nfile = "{unopenable}"\n')
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(1.0)
+            assert await status(Authorization="Bearer k2") == 200
             assert proc.poll() is None
     log = (tmp_path / "d.log").read_text()
-    assert '"event": "settings_reloaded"' in log and '"event": "settings_reload_rejected"' in log
-    assert "server.max_waiting" in log
+    assert '"event": "settings_reloaded"' in log
+    rejected = [
+        orjson.loads(line) for line in log.splitlines() if "settings_reload_rejected" in line
+    ]
+    assert "server.max_waiting" in rejected[0]["error"]
+    assert rejected[1]["error"] == f"cannot open the log file {unopenable}: Not a directory"

@@ -1,6 +1,7 @@
 """A daemon that cannot start says why in one structured line and exits 3, never with a
 traceback: a taken port or an unusable admin socket path before the model loads, a missing
-model, a KV budget that holds no block, a device that is not there."""
+model, a KV budget that holds no block, a device that is not there; a log file that cannot be
+opened on stderr."""
 
 from __future__ import annotations
 
@@ -16,16 +17,20 @@ from daemon.startup import EXIT_STARTUP_FAILED
 from tests.daemons import ROOT, checkout_env, free_port, serve_command
 
 
-def failed_start(args: list[str], port: int | None = None) -> tuple[str, str]:
-    """Runs `deepinfer serve ARGS` to its exit: (the startup_failed error, the whole output)."""
-    done = subprocess.run(
-        serve_command(port or free_port(), [*args, "--no-kv-store", "--log-format", "json"]),
+def serve_to_exit(args: list[str], port: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        serve_command(port or free_port(), [*args, "--no-kv-store"]),
         cwd=ROOT,
         env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def failed_start(args: list[str], port: int | None = None) -> tuple[str, str]:
+    """Runs `deepinfer serve ARGS` to its exit: (the startup_failed error, the whole output)."""
+    done = serve_to_exit([*args, "--log-format", "json"], port)
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_STARTUP_FAILED, output
     assert "Traceback" not in output
@@ -48,6 +53,15 @@ def test_an_admin_socket_path_that_cannot_be_made(tiny_model_dir: Path, tmp_path
     error, output = failed_start(["--model", str(tiny_model_dir), "--admin-socket", str(path)])
     assert error == f"cannot create the admin socket {path}: File exists ({path.parent})"
     assert "model_loaded" not in output
+
+
+def test_a_log_file_that_cannot_be_opened(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Said on stderr, as the log is what failed."""
+    (tmp_path / "a-file").write_text("")
+    path = tmp_path / "a-file" / "d.log"
+    done = serve_to_exit(["--model", str(tiny_model_dir), "--log-file", str(path)])
+    assert done.returncode == EXIT_STARTUP_FAILED
+    assert done.stderr == f"deepinfer: cannot open the log file {path}: Not a directory\n"
 
 
 def test_a_missing_model(tmp_path: Path) -> None:

@@ -238,15 +238,24 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
     the MoE intervals. The rest needs a restart; a settings file that fails its checks changes
     nothing."""
     if reload is None:
-        logging_setup.SINK.reopen()
+        try:
+            logging_setup.SINK.reopen()
+        except OSError as e:  # logs go on to the file as it was open
+            log.warning("logs_reopen_failed", file=e.filename, error=e.strerror)
+            return
         log.info("logs_reopened", file=logging_setup.SINK.path)
         return
     try:
         new = reload()
+        logging_setup.setup_logging(new.logging.level, new.logging.format, new.logging.file)
     except ConfigError as e:
         log.warning("settings_reload_rejected", error=str(e))
         return
-    logging_setup.setup_logging(new.logging.level, new.logging.format, new.logging.file)
+    except OSError as e:  # the logging stays as it was, and so does the rest
+        log.warning(
+            "settings_reload_rejected", error=f"cannot open the log file {e.filename}: {e.strerror}"
+        )
+        return
     state.api_key, state.max_waiting = new.server.api_key, new.server.max_waiting
     if state.engine.moe is not None:
         state.engine.moe.set_intervals(
