@@ -4,6 +4,7 @@ Retry-After, and the process exits 0."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from pathlib import Path
 
@@ -95,3 +96,59 @@ async def test_sighup_reloads_live_settings(tiny_model_dir: Path, tmp_path: Path
     ]
     assert "server.max_waiting" in rejected[0]["error"]
     assert rejected[1]["error"] == f"cannot open the log file {unopenable}: Not a directory"
+
+
+MARKER = 511  # a prompt holding this token id makes the test's forward fail
+
+
+async def test_a_failed_engine_exits_the_daemon_and_keeps_finished_work(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The engine loop fails (as on a device error): the request that was running gets an
+    error, the block store keeps what finished requests wrote, and the daemon exits 4 so that
+    systemd starts a fresh one, where it would otherwise answer 503 until someone restarts it."""
+    from structlog.testing import capture_logs
+
+    from daemon.api.server import EXIT_ENGINE_FAILED, serve
+    from daemon.config import EngineConfig, ServerConfig
+    from daemon.loop.runner import ModelRunner
+    from daemon.settings import Settings
+    from tests.daemons import free_port
+
+    execute = ModelRunner.execute
+
+    def failing(self, step, *args):
+        if bool((step.input_ids == MARKER).any()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return execute(self, step, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute", failing)
+    store = tmp_path / "store"
+    port = free_port()
+    settings = Settings(
+        engine=EngineConfig(
+            model=str(tiny_model_dir), kv_cache_memory_gb=0.02, kv_store_dir=str(store)
+        ),
+        server=ServerConfig(port=port),
+    )
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with capture_logs() as logs:
+        served = asyncio.create_task(serve(settings))
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            model = {"model": tiny_model_dir.name, "max_tokens": 4, "ignore_eos": True}
+            async with http.post(url, json=model | {"prompt": list(range(2, 66))}) as r:
+                assert r.status == 200
+            async with http.post(url, json=model | {"prompt": [MARKER] * 8}) as r:
+                assert r.status == 503
+                assert "aborted" in (await r.json())["error"]["message"]
+        assert await asyncio.wait_for(served, 60) == EXIT_ENGINE_FAILED
+    events = [e["event"] for e in logs]
+    assert "engine_loop_failed" in events and "engine_failed_exiting" in events
+    assert events[-1] == "stopped"
+    assert len(list(store.rglob("*.kvb"))) >= 4  # the finished prompt's 64 tokens, by 16

@@ -37,6 +37,8 @@ from daemon.startup import failing_as
 
 log = structlog.get_logger(__name__)
 
+EXIT_ENGINE_FAILED = 4  # the engine loop failed while serving (3: it could not start)
+
 # Each endpoint module exposes register(app).
 ENDPOINTS: tuple[ModuleType, ...] = (models, completions, conversations, tokenize, metrics)
 
@@ -193,14 +195,20 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     notifier.start_watchdog()
     status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
     try:
-        await signals.stop.wait()
-        app[STATE].draining = True
-        notifier.stopping(f"draining {len(engine.requests)} requests")
-        log.info("draining", requests=len(engine.requests), grace_s=server_cfg.shutdown_timeout)
-        if not await _drain(engine, server_cfg.shutdown_timeout, signals.force):
-            log.warning("drain_cut_short", aborted=len(engine.requests))
-            for request_id in list(engine.requests):
-                engine.abort(request_id)
+        await _first_of(signals.stop, engine.failed)
+        if engine.failed.is_set():
+            # its requests were answered with an error; a fresh process (systemd restarts it,
+            # Restart=on-failure) serves again, where this one could only answer 503
+            log.error("engine_failed_exiting", error=repr(engine.error))
+            notifier.stopping("the inference engine failed")
+        else:
+            app[STATE].draining = True
+            notifier.stopping(f"draining {len(engine.requests)} requests")
+            log.info("draining", requests=len(engine.requests), grace_s=server_cfg.shutdown_timeout)
+            if not await _drain(engine, server_cfg.shutdown_timeout, signals.force):
+                log.warning("drain_cut_short", aborted=len(engine.requests))
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
     finally:
         status.cancel()
         signals.remove()
@@ -210,7 +218,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         await runner.cleanup()  # stops the engine, which flushes block-store writes
         await notifier.close()
     log.info("stopped")
-    return 0
+    return EXIT_ENGINE_FAILED if engine.failed.is_set() else 0
 
 
 class _Signals:
@@ -267,6 +275,15 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
         api_key_set=new.server.api_key is not None,
         max_waiting=new.server.max_waiting,
     )
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def _drain(engine: Engine, timeout_s: float, force: asyncio.Event) -> bool:

@@ -9,7 +9,6 @@ overlap off, each step is scheduled only after the previous one's outputs are pr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from collections import deque
@@ -107,6 +106,7 @@ class Engine:
         scheduler.load_blocks = self._start_load
         self.steps = 0
         self.error: BaseException | None = None
+        self.failed = asyncio.Event()  # set with `error`: the loop is gone, the process must go
         self.observer: RequestObserver | None = None  # metrics
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -119,11 +119,11 @@ class Engine:
             self._sweep_task = asyncio.create_task(self._sweep_store(), name="kv-store-gc")
 
     async def stop(self) -> None:
-        for task in [self._task, self._sweep_task, *self._loads]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        tasks = [t for t in (self._task, self._sweep_task, *self._loads) if t is not None]
+        for task in tasks:
+            task.cancel()
+        # a failed loop's error is `self.error`, logged when it failed: stopping goes on
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._task = self._sweep_task = None
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
@@ -343,6 +343,7 @@ class Engine:
             raise
         except BaseException as e:
             self.error = e
+            self.failed.set()
             log.exception("engine_loop_failed")
             for req in list(self.requests.values()):
                 self.abort(req.request_id)
