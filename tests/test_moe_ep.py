@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import subprocess
 from pathlib import Path
 
+import orjson
 import pytest
 import torch
 
+from daemon.api.server import EXIT_ENGINE_FAILED
 from daemon.build import build_engine
 from daemon.config import EngineConfig
 from daemon.loop.request import SamplingParams
 from tests.checkpoints import make_v4_checkpoint
-from tests.daemons import free_port
+from tests.daemons import ROOT, checkout_env, free_port, serve_command, wait_healthy
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 NUM_PROMPTS = 6
@@ -116,3 +119,44 @@ def test_expert_parallel_equals_single_rank(checkpoint, single_rank, size, rebal
             assert status["last_rebalance"]["moved_slots"] > 0
     assert got == {i: single_rank[i] for i in got}
     assert len(got) >= size
+
+
+def test_a_rank_whose_peer_dies_exits_for_its_supervisor(checkpoint: Path, tmp_path: Path) -> None:
+    """Two EP daemons; rank 1 is killed. Rank 0's lockstep agreement fails (the peer's
+    connections reset), its engine fails with it while idle, and the daemon exits 4 for
+    systemd to restart it; before, rank 0 stayed up with a dead worker and hung every request."""
+    master = free_port()
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for rank in range(2):
+        args = [
+            "--model", str(checkpoint), "--device", "cpu", "--kv-cache-memory-gb", "0.01",
+            "--no-kv-store", "--log-format", "json", "--ep-size", "2", "--ep-rank", str(rank),
+            "--ep-master", f"127.0.0.1:{master}",
+        ]  # fmt: skip
+        with logs[rank].open("wb") as log_file:
+            procs.append(
+                subprocess.Popen(
+                    serve_command(ports[rank], args),
+                    cwd=ROOT,
+                    env=checkout_env(),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        for rank in range(2):
+            wait_healthy(f"http://127.0.0.1:{ports[rank]}", procs[rank], 180)
+        procs[1].kill()
+        assert procs[0].wait(timeout=60) == EXIT_ENGINE_FAILED
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    events = [
+        orjson.loads(line)["event"] for line in logs[0].read_text().splitlines() if line[:1] == "{"
+    ]
+    failed = events.index("ep_lockstep_failed")
+    assert events[failed:] == ["ep_lockstep_failed", "engine_failed_exiting", "stopped"]

@@ -115,6 +115,9 @@ class Engine:
         if self._task is None:
             self._wakeup = asyncio.Event()
             self._task = asyncio.create_task(self._run(), name="engine-loop")
+            worker_failure = getattr(self._executor, "failure", None)  # an EP lockstep worker's
+            if worker_failure is not None:  # fails the engine also while it idles
+                asyncio.wrap_future(worker_failure).add_done_callback(self._on_worker_failure)
         if self.sweeper is not None and self._sweep_task is None:
             self._sweep_task = asyncio.create_task(self._sweep_store(), name="kv-store-gc")
 
@@ -342,12 +345,22 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as e:
-            self.error = e
-            self.failed.set()
             log.exception("engine_loop_failed")
-            for req in list(self.requests.values()):
-                self.abort(req.request_id)
+            self._fail(e)
             raise
+
+    def _on_worker_failure(self, done: asyncio.Future[None]) -> None:
+        if not done.cancelled():
+            self._fail(done.exception())
+
+    def _fail(self, error: BaseException | None) -> None:
+        """The engine cannot step any more: every request ends with an error, `failed` is set."""
+        if self.error is not None or error is None:
+            return
+        self.error = error
+        self.failed.set()
+        for req in list(self.requests.values()):
+            self.abort(req.request_id)
 
     def _process(self, step: SchedulerStep, result: StepResult) -> None:
         samples = iter(zip(result.tokens, result.logprobs))

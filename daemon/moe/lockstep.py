@@ -41,13 +41,22 @@ class LockstepExecutor(Executor):
             queue.SimpleQueue()
         )
         self._stopping = threading.Event()
+        # the error that ended the worker (a peer gone: its connections reset); the engine
+        # fails with it, even while idle
+        self.failure: Future[None] = Future()
+        self._failing = threading.Lock()  # no job queued after the worker has failed
+        self._pending: tuple[Callable[..., Any], tuple, Future] | None = None
         self.iterations = 0
         self._thread = threading.Thread(target=self._run, name="device-lockstep", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
-        self._jobs.put((fn, args, future))
+        with self._failing:
+            if self.failure.done():
+                future.set_exception(self.failure.exception())
+            else:
+                self._jobs.put((fn, args, future))
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -67,14 +76,27 @@ class LockstepExecutor(Executor):
             self._call(job)
 
     def _run(self) -> None:
+        try:
+            self._iterate()
+        except BaseException as e:
+            log.error("ep_lockstep_failed", rank=self.ep.rank, error=str(e))
+            with self._failing:
+                self.failure.set_exception(e)
+            jobs = [self._pending] if self._pending is not None else []
+            while not self._jobs.empty():
+                jobs.append(self._jobs.get_nowait())
+            for _, _, future in jobs:  # none may wait forever
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(e)
+
+    def _iterate(self) -> None:
         sleep = IDLE_SLEEP_S[0]
-        pending = None
         while True:
-            pending = pending or self._next_step()
+            self._pending = self._pending or self._next_step()
             due = self.controller.schedule() if self.ep.rank == 0 else Decisions()
             flags = torch.tensor(
                 [
-                    pending is not None,
+                    self._pending is not None,
                     not (self._stopping.is_set() and self._jobs.empty()),
                     self.controller.rebalance_requested(),
                     due.collect,
@@ -92,9 +114,9 @@ class LockstepExecutor(Executor):
                 continue
             sleep = IDLE_SLEEP_S[0]
             self.iterations += 1
-            if pending is not None:
-                self._call(pending)
-                pending = None
+            if self._pending is not None:
+                job, self._pending = self._pending, None
+                self._call(job)
             else:
                 self.idle_step()
             self.controller.after_step(
