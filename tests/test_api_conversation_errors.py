@@ -195,3 +195,10 @@ async def test_overload_429(guarded_server) -> None:
         second.cancel()
         with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
             (await second).close()
+        for _ in range(200):  # both clients gone: the server frees their requests
+            async with s.get(guarded_server.url + "/health") as r:
+                health = await r.json()
+            if health["running"] == health["waiting"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert health["running"] == health["waiting"] == 0
