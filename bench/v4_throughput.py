@@ -198,8 +198,9 @@ def work_floor(cfg: V4Config, series: dict[int, Series], args: argparse.Namespac
     dtype = getattr(torch, args.dtype)
     peak = max(matmul_gflops(2048, 2048, 2048, 3, dtype) for _ in range(5))  # the best rate seen
     lines = [
-        f"work floor: {args.dtype} matmul peak {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads, "
-        "2048^3, best of 5; the model's own shapes run slower)"
+        f"work floor: {args.dtype} matmul peak {peak:.1f} GFLOP/s "
+        f"({torch.get_num_threads()} threads, 2048^3, best of 5; the model's own shapes run "
+        "slower)"
     ]
     for c, s in series.items():
         flops = run_flops(cfg, c, args.prompt_len, args.output_len)
