@@ -47,6 +47,28 @@ def test_a_taken_port_fails_the_start_before_the_model_loads(tiny_model_dir: Pat
     assert "model_loaded" not in output
 
 
+async def test_a_port_taken_between_bind_and_listen() -> None:
+    """Bound sockets with SO_REUSEADDR share a port until one listens: a second daemon that
+    bound it too fails at its listen, with the same reason."""
+    from aiohttp import web
+
+    from daemon.api.server import bind_tcp, start_server
+    from daemon.config import ServerConfig
+    from daemon.startup import StartupError
+
+    port = free_port()
+    socks = bind_tcp("127.0.0.1", port)
+    with socket.socket() as rival:
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rival.bind(("127.0.0.1", port))
+        rival.listen()
+        message = f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        with pytest.raises(StartupError, match=message):
+            await start_server(web.Application(), ServerConfig(port=port), socks)
+    for sock in socks:
+        sock.close()
+
+
 def test_an_admin_socket_path_that_cannot_be_made(tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     path = tmp_path / "a-file" / "admin.sock"

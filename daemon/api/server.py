@@ -146,8 +146,10 @@ async def start_server(
     await runner.setup()
     try:
         if socks is not None:
-            for sock in socks:
-                await web.SockSite(runner, sock).start()
+            # two daemons can both bind a port (SO_REUSEADDR) while neither listens yet
+            with failing_as(f"cannot listen on {server_cfg.host}:{server_cfg.port}", OSError):
+                for sock in socks:
+                    await web.SockSite(runner, sock).start()
         else:
             await web.TCPSite(runner, server_cfg.host, server_cfg.port).start()
     except BaseException:
