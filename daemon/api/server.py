@@ -181,7 +181,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg, socks)
-    url = f"http://{server_cfg.host}:{bound_port(runner)}/v1"
+    host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
+    url = f"http://{host}:{bound_port(runner)}/v1"
     admin = await start_admin(app[STATE], admin_sock) if admin_sock is not None else None
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
