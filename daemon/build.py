@@ -46,7 +46,9 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     with failing_as(f"model {path}", ModelLoadError, UnsupportedRope, OSError):
         loaded = load_model(path, device, dtype)
     model = loaded.model
-    tokenizer = TextTokenizer.from_dir(path, hf_config)
+    # `tokenizers` raises plain Exceptions; whatever it is, the files cannot serve
+    with failing_as(f"tokenizer {path / 'tokenizer.json'}", Exception):
+        tokenizer = TextTokenizer.from_dir(path, hf_config)
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     if cfg.max_model_len and cfg.max_model_len > max_model_len:
         log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)

@@ -1,10 +1,11 @@
 """A daemon that cannot start says why in one structured line and exits 3, never with a
-traceback: a taken port or an unusable admin socket path before the model loads, a missing
-model, a KV budget that holds no block, a device that is not there; a log file that cannot be
-opened on stderr."""
+traceback: a taken port or an unusable admin socket path before the model loads, a missing or
+damaged model or tokenizer, a KV budget that holds no block, a device that is not there; a log
+file that cannot be opened on stderr."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -89,6 +90,29 @@ def test_a_log_file_that_cannot_be_opened(tiny_model_dir: Path, tmp_path: Path) 
 def test_a_missing_model(tmp_path: Path) -> None:
     error, _ = failed_start(["--model", str(tmp_path / "none")])
     assert error == f"model: {tmp_path / 'none'} has no config.json"
+
+
+def damaged_copy(model: Path, root: Path) -> Path:
+    copy = root / "model"
+    shutil.copytree(model, copy)
+    return copy
+
+
+def test_a_checkpoint_file_cut_short(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """As an interrupted copy leaves it."""
+    model = damaged_copy(tiny_model_dir, tmp_path)
+    weights = next(model.glob("*.safetensors"))
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size - 1000)
+    error, _ = failed_start(["--model", str(model)])
+    assert error.startswith(f"model {model}: {weights.name}: Error while deserializing header")
+
+
+def test_a_damaged_tokenizer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = damaged_copy(tiny_model_dir, tmp_path)
+    (model / "tokenizer.json").write_text("{not json")
+    error, _ = failed_start(["--model", str(model)])
+    assert error.startswith(f"tokenizer {model / 'tokenizer.json'}: ")
 
 
 def test_a_kv_budget_that_holds_no_block(tiny_model_dir: Path) -> None:

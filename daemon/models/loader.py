@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -109,7 +109,10 @@ def load_weights(
     loaded: dict[tuple[str, Any], str] = {}  # part -> the checkpoint tensor that filled it
     handles = {}
     for f in files:
-        handle = safe_open(str(f), framework="pt", device="cpu")
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except SafetensorError as e:  # a truncated or damaged file
+            raise ModelLoadError(f"{f.name}: {e}") from e
         handles.update({key: (f, handle) for key in handle.keys()})  # noqa: SIM118 (not a dict)
     scales = {
         weight_of_scale(k): k for k in handles if is_scale(k) and not _is_param(model, targets, k)
