@@ -48,6 +48,18 @@ def checkout_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path}
 
 
+def spawn(port: int, args: list[str], log_path: Path) -> subprocess.Popen:
+    """`python -m daemon serve ARGS --port PORT`, its output to `log_path`; not waited for."""
+    with log_path.open("wb") as log_file:
+        return subprocess.Popen(
+            serve_command(port, args),
+            cwd=ROOT,
+            env=checkout_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+
 @contextlib.contextmanager
 def daemon(
     args: list[str], log_path: Path, timeout: float = 120
@@ -55,23 +67,16 @@ def daemon(
     """`python -m daemon serve ARGS --port <free>`; yields (base url, process). Leaving the
     block kills the process if the test did not stop it."""
     port = free_port()
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            serve_command(port, args),
-            cwd=ROOT,
-            env=checkout_env(),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, timeout)
-            yield url, proc
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    proc = spawn(port, args, log_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

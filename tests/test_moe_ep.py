@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import subprocess
 from pathlib import Path
 
 import orjson
@@ -18,7 +17,7 @@ from daemon.build import build_engine
 from daemon.config import EngineConfig
 from daemon.loop.request import SamplingParams
 from tests.checkpoints import make_v4_checkpoint
-from tests.daemons import ROOT, checkout_env, free_port, serve_command, wait_healthy
+from tests.daemons import free_port, spawn, wait_healthy
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 NUM_PROMPTS = 6
@@ -135,16 +134,7 @@ def test_a_rank_whose_peer_dies_exits_for_its_supervisor(checkpoint: Path, tmp_p
             "--no-kv-store", "--log-format", "json", "--ep-size", "2", "--ep-rank", str(rank),
             "--ep-master", f"127.0.0.1:{master}",
         ]  # fmt: skip
-        with logs[rank].open("wb") as log_file:
-            procs.append(
-                subprocess.Popen(
-                    serve_command(ports[rank], args),
-                    cwd=ROOT,
-                    env=checkout_env(),
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        procs.append(spawn(ports[rank], args, logs[rank]))
     try:
         for rank in range(2):
             wait_healthy(f"http://127.0.0.1:{ports[rank]}", procs[rank], 180)
