@@ -9,7 +9,7 @@ from aiohttp import web
 
 from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
-from daemon.api.errors import bad_request, model_not_found, overloaded, unavailable
+from daemon.api.errors import ApiError, bad_request, model_not_found, overloaded, unavailable
 from daemon.loop.engine import Engine
 from daemon.metrics import EngineMetrics
 from daemon.recipe.codec import RecipeCodec
@@ -44,6 +44,9 @@ class ApiState:
             raise overloaded()
 
 
+# serde_json's recursion limit, which deepseek-recipe's codec (and so every protocol) inherits
+MAX_JSON_DEPTH = 128
+
 STATE: web.AppKey[ApiState] = web.AppKey("deepinfer_state", ApiState)
 
 
@@ -59,7 +62,30 @@ async def read_json_object(request: web.Request) -> dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):  # orjson's own, at 1024
+            raise _too_deep() from None
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    # (counting brackets, strings included, is quick and rules out most bodies)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> ApiError:
+    return bad_request(
+        f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (objects and arrays)"
+    )
+
+
+def json_depth(value: object) -> int:
+    """How many objects / arrays deep `value` nests (0 for a scalar); without recursion."""
+    deepest = 0
+    todo: list[tuple[dict | list, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
