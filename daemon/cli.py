@@ -16,7 +16,7 @@ import structlog
 
 from daemon.benchmark.options import add_serve_arguments
 from daemon.config import EngineConfig, ServerConfig
-from daemon.logging_setup import setup_logging
+from daemon.logging_setup import add_secret, setup_logging
 from daemon.paths import cache_dir
 from daemon.settings import LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
 from daemon.startup import EXIT_STARTUP_FAILED, StartupError
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_generate(args, settings.engine))
     except KeyboardInterrupt:
         return 130
+        add_secret(settings.server.api_key)
     except StartupError as e:
         log.error("startup_failed", error=str(e))
         return EXIT_STARTUP_FAILED

@@ -1,13 +1,41 @@
 """structlog configuration for the daemon: console or JSON lines (JSON by default when stderr
-is not a terminal), on stderr or a file that SIGHUP reopens (for logrotate)."""
+is not a terminal), on stderr or a file that SIGHUP reopens (for logrotate). Tracebacks show no
+local variables, and secrets (the API key) are masked in every line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
+
+MASK = "[redacted]"
+_SECRETS: dict[str, None] = {}  # each secret's forms (as is, JSON- and repr-escaped), in order
+
+
+def add_secret(secret: str | None) -> None:
+    """From now on, `secret` shows as MASK in every log line (structlog's and the stdlib's)."""
+    if secret:
+        for form in (secret, json.dumps(secret)[1:-1], repr(secret)[1:-1]):
+            _SECRETS[form] = None
+
+
+def redact(text: str) -> str:
+    for secret in _SECRETS:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def _redact_line(_logger: Any, _method: str, line: str) -> str:
+    return redact(line)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 class LogSink:
@@ -49,7 +77,9 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
     elif fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=SINK.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=SINK.isatty(), exception_formatter=_console_tracebacks()
+        )
     else:
         raise ValueError(f"unknown log format {fmt!r} (auto, console or json)")
     processors: list[structlog.typing.Processor] = [
@@ -58,20 +88,25 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if fmt == "json":
-        processors += [structlog.processors.dict_tracebacks]
+        transformer = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        processors += [structlog.processors.ExceptionRenderer(transformer)]
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=[*processors, renderer, _redact_line],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(SINK),
         cache_logger_on_first_use=False,
     )
     # Libraries that log through the standard library (aiohttp, asyncio) go there too.
-    logging.basicConfig(
-        level=max(numeric, logging.WARNING),
-        stream=SINK,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
+    handler = logging.StreamHandler(SINK)
+    handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=max(numeric, logging.WARNING), handlers=[handler], force=True)
     if old.path is not None:  # a reconfiguration (SIGHUP): the new file took over
         old.stream.close()
     return SINK
+
+
+def _console_tracebacks() -> structlog.typing.ExceptionRenderer:
+    """rich's tracebacks where rich is installed, without the frames' local variables."""
+    if structlog.dev.rich is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)

@@ -25,4 +25,10 @@ def _matches(request: web.Request, key: str) -> bool:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         given = auth[7:].strip()
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+    if given is None:
+        return False
+    try:  # aiohttp keeps bytes that are not UTF-8 as lone surrogates: compare the bytes sent
+        raw = given.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, key.encode())

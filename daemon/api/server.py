@@ -60,6 +60,7 @@ def create_app(
     app[STATE] = ApiState(
         engine,
         served_name,
+    logging_setup.add_secret(server_cfg.api_key)
         served_name == DEMO_NAME if demo is None else demo,
         int(time.time()),
         codec=codec,
@@ -284,6 +285,7 @@ async def _first_of(*events: asyncio.Event) -> None:
     waits = [asyncio.create_task(event.wait()) for event in events]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    logging_setup.add_secret(new.server.api_key)
     finally:
         for wait in waits:
             wait.cancel()
