@@ -211,6 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=S,
         help="answer 429 once this many requests wait for the engine (0 = no limit)",
     )
+    serve.add_argument(
+        "--response-store-max-count",
+        type=int,
+        default=S,
+        help="stored Responses kept for GET and previous_response_id (0 = none; default 10000)",
+    )
+    serve.add_argument("--response-store-memory-gb", type=float, default=S, help="default 0.5")
+    serve.add_argument(
+        "--response-store-ttl-s",
+        type=float,
+        default=S,
+        help="a stored response goes this long after its last use (default 3600)",
+    )
     _engine_args(serve)
 
     gen = sub.add_parser("generate", help="run prompts through the engine and print the outputs")

@@ -215,8 +215,11 @@ def check(s: Settings) -> None:
     for key in ("max_body_bytes", "shutdown_timeout"):
         if getattr(sv, key) <= 0:
             raise ConfigError(f"server.{key}", "must be positive")
-    if sv.max_waiting < 0:
-        raise ConfigError("server.max_waiting", "must not be negative")
+    for key in ("max_waiting", "response_store_max_count", "response_store_memory_gb"):
+        if getattr(sv, key) < 0:
+            raise ConfigError(f"server.{key}", "must not be negative")
+    if sv.response_store_ttl_s <= 0:
+        raise ConfigError("server.response_store_ttl_s", "must be positive")
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

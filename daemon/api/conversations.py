@@ -21,6 +21,7 @@ from daemon.api.fanout import FanOut, sample_jobs, submit_all
 from daemon.api.params import JsonObject, get_int
 from daemon.api.sse import SSEWriter
 from daemon.api.state import ApiState, get_state, read_json_object
+from daemon.api.stored_responses import RESPONSE_STORE, Turn
 from daemon.loop.request import FinishReason, Request
 from daemon.recipe.codec import (
     CHAT,
@@ -53,6 +54,9 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
     if protocol is CHAT:  # the recipe takes n=1 only; the choices are ours
         n = get_int(body, "n", 1, lo=1, hi=MAX_N) or 1
         body = {k: v for k, v in body.items() if k != "n"}
+    turn = None
+    if protocol is RESPONSES:  # `store`, and `previous_response_id`'s conversation as the input
+        body, turn = Turn.begin(request.app[RESPONSE_STORE], body)
     rid = protocol.id_prefix + uuid.uuid4().hex
     prepared = await _prepare(state.codec, protocol, body, rid)
     grammar = await _grammar(state, prepared)
@@ -65,8 +69,8 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
         jobs = sample_jobs(prepared.prompt_ids, prepared.params, n, grammar)
         reqs = submit_all(state.engine, rid, jobs, cache=cache)
         if prepared.stream:
-            return await _stream(request, state, protocol, reqs, outs)
-        return await _whole(state, protocol, reqs, outs, rid)
+            return await _stream(request, state, protocol, reqs, outs, turn)
+        return await _whole(state, protocol, reqs, outs, rid, turn)
     finally:
         for out in outs:
             out.close()
@@ -83,7 +87,12 @@ async def _prepare(codec: RecipeCodec, protocol: Protocol, body: JsonObject, rid
 
 
 async def _whole(
-    state: ApiState, protocol: Protocol, reqs: list[Request], outs: list[OutputStream], rid: str
+    state: ApiState,
+    protocol: Protocol,
+    reqs: list[Request],
+    outs: list[OutputStream],
+    rid: str,
+    turn: Turn | None = None,
 ) -> web.Response:
     accs: list[Accumulator | None] = [None] * len(reqs)
     created = int(time.time())
@@ -106,6 +115,8 @@ async def _whole(
     done = [acc for acc in accs if acc is not None]
     assert len(done) == len(reqs)
     body = done[0].to_json() if len(done) == 1 else merge_responses([a.to_json() for a in done])
+    if turn is not None:
+        body = turn.finish(body)
     return web.Response(body=body, content_type="application/json")
 
 
@@ -115,6 +126,7 @@ async def _stream(
     protocol: Protocol,
     reqs: list[Request],
     outs: list[OutputStream],
+    turn: Turn | None = None,
 ) -> web.StreamResponse:
     writer: SSEWriter | None = None
     name_of = protocol.response_cls.sse_event_name
@@ -128,7 +140,10 @@ async def _stream(
                     break
                 for ev in outs[i].feed(o):
                     if merger is None:
-                        await writer.send_raw(ev.to_json(), name_of(ev))
+                        data, name = ev.to_json(), name_of(ev)
+                        if turn is not None:
+                            data = turn.event(name, data)
+                        await writer.send_raw(data, name)
                     elif (chunk := merger.chunk(i, ev.to_json())) is not None:
                         await writer.send(chunk)
         done = protocol.response_cls.sse_done_data()

@@ -16,13 +16,14 @@ import uvloop
 from aiohttp import web
 
 from daemon import logging_setup
-from daemon.api import completions, conversations, metrics, models, tokenize
+from daemon.api import completions, conversations, metrics, models, stored_responses, tokenize
 from daemon.api.access import AccessLogger, echo_request_id, request_id_middleware
 from daemon.api.admin import bind_admin, start_admin
 from daemon.api.auth import auth_middleware
 from daemon.api.chat_template import ChatTemplate
 from daemon.api.constraints import Constraints
 from daemon.api.errors import error_middleware
+from daemon.api.response_store import ResponseStore
 from daemon.api.state import STATE, ApiState
 from daemon.build import build_engine
 from daemon.config import ServerConfig
@@ -40,7 +41,14 @@ log = structlog.get_logger(__name__)
 EXIT_ENGINE_FAILED = 4  # the engine loop failed while serving (3: it could not start)
 
 # Each endpoint module exposes register(app).
-ENDPOINTS: tuple[ModuleType, ...] = (models, completions, conversations, tokenize, metrics)
+ENDPOINTS: tuple[ModuleType, ...] = (
+    models,
+    completions,
+    conversations,
+    stored_responses,
+    tokenize,
+    metrics,
+)
 
 
 def create_app(
@@ -69,6 +77,11 @@ def create_app(
         max_waiting=server_cfg.max_waiting,
         api_key=server_cfg.api_key,
         metrics=EngineMetrics(engine),
+    )
+    app[stored_responses.RESPONSE_STORE] = ResponseStore(
+        server_cfg.response_store_max_count,
+        int(server_cfg.response_store_memory_gb * 2**30),
+        server_cfg.response_store_ttl_s,
     )
     for endpoint in ENDPOINTS:
         endpoint.register(app)
