@@ -271,3 +271,27 @@ async def test_a_cpu_engine_keeps_one_openmp_team_and_none_when_idle(checkpoint,
         assert os_threads() == idle
     finally:
         await engine.stop()
+
+
+async def test_prompt_logprobs_in_chunks_match_transformers(checkpoint, prompts):
+    """Prompt logprobs of a prompt prefilled in chunks, batched with other requests."""
+    engine = await started(checkpoint)  # 64-token steps: the 90-token prompt takes two
+    prompt = prompts[4]
+    try:
+        others = [collect(engine, p, GREEDY) for p in prompts[:3]]
+        params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+        outs, *_ = await asyncio.gather(collect(engine, prompt, params), *others)
+    finally:
+        await engine.stop()
+    scored = outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert len(scored) == len(prompt) and scored[0] is None
+    with torch.inference_mode():
+        ref = load_reference(checkpoint)(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for i in range(1, len(prompt)):
+        entry, row = scored[i], ref[i - 1]
+        assert entry.token_id == prompt[i]
+        assert abs(entry.logprob - row[prompt[i]].item()) < 1e-4
+        target = row[prompt[i]]  # its rank, up to float noise among near-equal logprobs
+        assert int((row > target + 1e-4).sum()) < entry.rank <= int((row > target - 1e-4).sum()) + 1
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()

@@ -19,7 +19,7 @@ from daemon.api.completions_protocol import (
 )
 from daemon.api.errors import ApiError, unavailable
 from daemon.api.fanout import FanOut, submit_all
-from daemon.api.logprobs import completion_logprobs
+from daemon.api.logprobs import completion_logprobs, vllm_prompt_logprobs
 from daemon.api.sse import SSEWriter
 from daemon.api.state import get_state, read_json_object
 from daemon.loop.engine import Engine
@@ -72,6 +72,9 @@ class _Completion:
 class _Choice:
     index: int
     prompt_ids: list[int]
+    prompt_text: str = ""  # echoed before the completion
+    echo_only: bool = False  # the prompt alone: the one token computed is not part of the answer
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -84,14 +87,19 @@ class _Choice:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     def add(self, out: RequestOutput) -> None:
-        self.text.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.logprobs or [])
-        self.num_output_tokens = out.num_output_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if not self.echo_only:
+            self.text.append(out.new_text)
+            self.token_ids.extend(out.new_token_ids)
+            self.logprobs.extend(out.logprobs or [])
+            self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
         self.cached_tokens_by_tier = out.cached_tokens_by_tier or {}
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            if self.echo_only and out.finish_reason is not FinishReason.ABORT:
+                self.finish_reason, self.stop_reason = FinishReason.LENGTH, None
 
 
 @routes.post("/v1/completions")
@@ -114,7 +122,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         tokenizer=engine.tokenizer,
     )
     jobs = [(ids, creq.params_for(j)) for ids in prompt_ids for j in range(creq.n)]
-    c.choices = [_Choice(i, ids) for i, (ids, _) in enumerate(jobs)]
+    texts = [_echoed(p, ids, engine.tokenizer) if creq.echo else "" for p, ids in zip(creq.prompts, prompt_ids)]
+    c.choices = [
+        _Choice(i, ids, texts[i // creq.n], creq.echo_only) for i, (ids, _) in enumerate(jobs)
+    ]
     reqs = submit_all(engine, c.id, jobs, creq.priority, cache)
     try:
         if creq.stream:
@@ -134,11 +145,13 @@ async def _whole(engine: Engine, reqs: list[Request], c: _Completion) -> web.Res
     for ch in c.choices:
         choice = {
             "index": ch.index,
-            "text": "".join(ch.text),
-            "logprobs": _logprobs(c, ch.logprobs, 0)[0],
+            "text": ch.prompt_text + "".join(ch.text),
+            "logprobs": _logprobs(c, ch, ch.logprobs, 0, first=True)[0],
             "finish_reason": ch.finish_reason.value if ch.finish_reason else None,
             "stop_reason": ch.stop_reason,
         }
+        if c.req.params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ch.prompt_logprobs or [], c.tokenizer)
         if c.req.return_token_ids:
             choice |= {"prompt_token_ids": ch.prompt_ids, "token_ids": ch.token_ids}
         choices.append(choice)
@@ -161,18 +174,26 @@ async def _stream(
                     break
                 if not (out.new_token_ids or out.new_text or out.finished):
                     continue
+                text, token_ids, entries = out.new_text, out.new_token_ids, out.logprobs
+                if ch.echo_only:
+                    text, token_ids, entries = "", [], []
+                if not ch.streamed:
+                    text = ch.prompt_text + text
+                finish = ch.finish_reason if out.finished else None
                 choice = {
                     "index": i,
-                    "text": out.new_text,
+                    "text": text,
                     "logprobs": None,
-                    "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                    "stop_reason": out.stop_reason if out.finished else None,
+                    "finish_reason": finish.value if finish else None,
+                    "stop_reason": ch.stop_reason if out.finished else None,
                 }
-                choice["logprobs"], ch.text_offset = _logprobs(c, out.logprobs, ch.text_offset)
+                choice["logprobs"], ch.text_offset = _logprobs(
+                    c, ch, entries, ch.text_offset, first=not ch.streamed
+                )
                 if c.req.return_token_ids:
                     if not ch.streamed:
                         choice["prompt_token_ids"] = ch.prompt_ids
-                    choice["token_ids"] = out.new_token_ids
+                    choice["token_ids"] = token_ids
                 ch.streamed = True
                 await writer.send(c.header() | {"choices": [choice]})
             else:
@@ -187,10 +208,26 @@ async def _stream(
     return writer.response
 
 
-def _logprobs(c: _Completion, entries: list[TokenLogprob] | None, offset: int) -> tuple:
-    if c.req.params.logprobs is None or entries is None:
+def _logprobs(
+    c: _Completion, ch: _Choice, entries: list[TokenLogprob] | None, offset: int, first: bool
+) -> tuple[dict | None, int]:
+    """The legacy logprobs of these output tokens; with echo, the first part (a whole answer or
+    the first chunk) starts with the prompt's."""
+    top_n = c.req.params.logprobs
+    if top_n is None or entries is None:
         return None, offset
-    return completion_logprobs(entries, c.tokenizer, offset)
+    unscored: list[int] = []
+    if c.req.echo and first and ch.prompt_logprobs:
+        unscored = ch.prompt_ids[:1]
+        entries = [e for e in ch.prompt_logprobs[1:] if e is not None] + entries
+    return completion_logprobs(entries, c.tokenizer, offset, unscored=unscored, top_n=top_n)
+
+
+def _echoed(prompt: str | list[int], ids: list[int], tokenizer: TextTokenizer | None) -> str:
+    """The prompt's text, as an echo shows it (token-id prompts are decoded)."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(ids) if tokenizer is not None else ""
 
 
 def _aborted() -> ApiError:

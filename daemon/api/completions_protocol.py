@@ -30,6 +30,8 @@ class CompletionRequest:
     prompts: list[str | list[int]]  # text or token ids, one entry per prompt
     params: SamplingParams
     n: int
+    echo: bool  # the answer starts with the prompt (and its logprobs, if asked)
+    echo_only: bool  # echo with max_tokens 0: the prompt alone (one token is computed, not sent)
     stream: bool
     include_usage: bool
     return_token_ids: bool
@@ -46,26 +48,34 @@ def parse_completion_request(body: JsonObject) -> CompletionRequest:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     prompts = _parse_prompt(body.get("prompt"))
-    if get_bool(body, "echo"):
-        raise bad_request("'echo' is not supported", "echo")
+    echo = get_bool(body, "echo")
     if get_str(body, "suffix"):
         raise bad_request("'suffix' is not supported", "suffix")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
     get_str(body, "user")  # accepted and ignored, but it must be a string
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", lo=1)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is only supported when it equals 'n'", "best_of")
-    max_tokens = get_int(body, "max_tokens", 16, lo=1)
+    max_tokens = get_int(body, "max_tokens", 16, lo=0 if echo else 1)
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    # vLLM's extra; echo with logprobs scores the prompt too (as OpenAI and vLLM do)
+    prompt_logprobs = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if prompt_logprobs is None and echo and logprobs is not None:
+        prompt_logprobs = logprobs
     stream = get_bool(body, "stream")
     options = get_object(body, "stream_options")
     return CompletionRequest(
         model=model,
         prompts=prompts,
-        params=sampling_params(body, max_tokens=max_tokens, logprobs=logprobs),
+        params=sampling_params(
+            body,
+            max_tokens=max(max_tokens, 1),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        ),
         n=n,
+        echo=echo,
+        echo_only=echo and max_tokens == 0,
         stream=stream,
         include_usage=stream and get_bool(options, "include_usage"),
         return_token_ids=get_bool(body, "return_token_ids"),

@@ -56,7 +56,7 @@ def submit_all(
             )
     except RequestRejected as e:
         _abort(engine, reqs)
-        raise bad_request(str(e), _rejected_param(engine, prompt_ids, params)) from None
+        raise bad_request(str(e), e.param or _rejected_param(engine, prompt_ids, params)) from None
     except RuntimeError:  # the engine loop has failed
         _abort(engine, reqs)
         raise unavailable("the inference engine has failed; the server must be restarted") from None

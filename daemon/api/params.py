@@ -97,12 +97,33 @@ def get_int_list(body: JsonObject, name: str) -> list[int]:
     return value
 
 
+def get_logit_bias(body: JsonObject, name: str = "logit_bias") -> dict[int, float]:
+    """OpenAI's `logit_bias`: token id (a decimal string) -> bias in [-100, 100]."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{name}' must be an object, got {_kind(value)}", name)
+    bias: dict[int, float] = {}
+    for key, v in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"'{name}' keys must be token ids, got {key[:32]!r}", name)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+            raise bad_request(f"'{name}' values must be numbers in [-100, 100]", name)
+        bias[int(key)] = float(v)
+    return bias
+
+
 def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sampling_params(
-    body: JsonObject, *, max_tokens: int, logprobs: int | None = None
+    body: JsonObject,
+    *,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The sampling fields shared by completions, chat, responses and messages."""
     top_k = get_int(body, "top_k", 0, lo=-1)
@@ -122,6 +143,8 @@ def sampling_params(
             stop_token_ids=get_int_list(body, "stop_token_ids"),
             ignore_eos=get_bool(body, "ignore_eos"),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=get_logit_bias(body),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         )
     except ValueError as e:  # SamplingParams' own checks, should ours miss one

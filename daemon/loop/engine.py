@@ -67,6 +67,10 @@ def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Call
 class RequestRejected(ValueError):
     """The request can never run here (too long for the context or the KV pool)."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, where it is not the prompt's length
+
 
 class Engine:
     def __init__(
@@ -164,6 +168,8 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestRejected(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             prompt_ids=list(prompt_ids),
@@ -175,6 +181,8 @@ class Engine:
         )
         if req.request_id in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt_ids)  # the first token has none
         req.outputs = asyncio.Queue()
         self.requests[req.request_id] = req
         self.outputs.add(req)
@@ -363,6 +371,9 @@ class Engine:
             self.abort(req.request_id)
 
     def _process(self, step: SchedulerStep, result: StepResult) -> None:
+        for i, first, entries in result.prompt_logprobs:
+            scored = step.seqs[i].request.prompt_logprobs
+            scored[first : first + len(entries)] = entries
         samples = iter(zip(result.tokens, result.logprobs))
         for seq in step.seqs:
             req = seq.request

@@ -64,6 +64,9 @@ class OutputProcessor:
             num_output_tokens=len(req.output_ids),
             num_cached_tokens=req.num_cached_tokens,
             cached_tokens_by_tier=req.cached_tokens_by_tier or None,
+            prompt_logprobs=req.prompt_logprobs
+            if req.params.prompt_logprobs is not None and len(req.output_ids) == len(new_ids)
+            else None,
         )
         if req.outputs is not None:
             req.outputs.put_nowait(out)

@@ -120,6 +120,8 @@ class PrefixCache:
 
     def _in_memory(self, key: bytes) -> bool:
         return key in self.kv.cached or (self.host is not None and key in self.host)
+        if req.params.prompt_logprobs is not None:
+            return []  # each prompt position's logits are needed: no cached prefix (as vLLM)
 
     def _leading(self, req: Request, keys: list[bytes]) -> int:
         """How many leading keys some tier holds (memory, or read from the store for `req`)."""

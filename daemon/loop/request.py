@@ -24,6 +24,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off, N = sampled token plus top-N alternatives
+    # None = off, N = each prompt token's logprob given the tokens before it, plus top-N
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     include_stop_str_in_output: bool = False
     # constrained decoding: a per-request loop.constraint.GrammarConstraint (stateful)
     constraint: Any = field(default=None, compare=False, repr=False)
@@ -43,6 +46,10 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be between 0 and 20")
+        if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +82,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), best first
+    rank: int | None = None  # the token's rank in the vocabulary (1 = most likely), if computed
 
 
 @dataclass
@@ -92,6 +100,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] | None = None
+    # with the first output of a request that asked for them: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -113,6 +123,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # by prompt position
     num_computed: int = 0  # positions whose KV is computed or scheduled
     num_sampled_scheduled: int = 0  # samples scheduled, seen or not
     num_inflight_steps: int = 0

@@ -9,7 +9,7 @@ it from there, so step N+1 never waits for step N's output on the host.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,13 +26,28 @@ from daemon.loop.sampler import (
     PenaltyState,
     SampleResult,
     SamplingBatch,
+    TargetLogprobs,
     add_logprobs,
+    apply_logit_bias,
     apply_penalties,
     sample,
+    target_logprobs,
 )
 from daemon.loop.scheduler import SchedulerStep
 from daemon.models.attention import PagedKVCache, SeqSlice
 from daemon.models.deepseek_v4.cache import V4Cache
+
+PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows of full-vocabulary logits held at once
+
+
+@dataclass
+class PromptSpan:
+    """Prompt positions of one sequence whose logprobs this step computes."""
+
+    seq_index: int  # in the step
+    first: int  # the first prompt position scored (its logits come from the row before)
+    count: int
+    top_n: int
 
 
 @dataclass
@@ -50,6 +65,12 @@ class PreparedStep:
     penalty_slots: list[int]
     bitmask: torch.Tensor | None  # [S, ceil(V/32)] int32 grammar masks (constrained rows only)
     bitmask_rows: list[int]
+    bias_rows: torch.Tensor  # logit_bias entries: the logits row, token id and bias of each
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    prompt_rows: torch.Tensor  # [R] forward rows whose next prompt token is scored
+    prompt_targets: torch.Tensor  # [R] that token
+    prompt_spans: list[PromptSpan]
     cache_ops: CacheOps  # tier moves and sliding-window saves, before anything reuses a block
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
 
@@ -58,6 +79,8 @@ class PreparedStep:
 class StepResult:
     tokens: list[int]  # one per sampling sequence, in step order
     logprobs: list[TokenLogprob | None]
+    # (seq index in the step, first prompt position, its entries) per PromptSpan
+    prompt_logprobs: list[tuple[int, int, list[TokenLogprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -116,8 +139,14 @@ class ModelRunner:
         penalty_slots: list[int] = []
         restores: list[tuple[RestoreOp, list[list[int]]]] = []
         constrained: list[tuple[int, GrammarConstraint]] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[PromptSpan] = []
 
-        for seq in step.seqs:
+        for i, seq in enumerate(step.seqs):
             req = seq.request
             start, n = seq.start, seq.num_tokens
             end = start + n
@@ -139,6 +168,12 @@ class ModelRunner:
             slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
             if seq.restore is not None:
                 restores.append((seq.restore, [list(t) for t in tables]))
+            # prompt logprobs, once (a recompute after the first sample has them already)
+            last = min(end, req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and seq.sample_index == 0 and start < last:
+                prompt_spans.append(PromptSpan(i, start + 1, last - start, req.params.prompt_logprobs))
+                prompt_rows.extend(range(q_start, q_start + last - start))
+                prompt_targets.extend(req.prompt_ids[start + 1 : last + 1])
             if seq.first and req.params.has_penalties:
                 new_penalty_states.append((req.slot, list(req.prompt_ids), list(req.output_ids)))
             if seq.samples:
@@ -147,6 +182,10 @@ class ModelRunner:
                     penalty_slots.append(req.slot)
                 if req.params.constraint is not None:
                     constrained.append((len(logits_rows), req.params.constraint))
+                if bias := req.params.logit_bias:
+                    bias_rows.extend([len(logits_rows)] * len(bias))
+                    bias_ids.extend(bias.keys())
+                    bias_values.extend(bias.values())
                 logits_rows.append(len(input_ids) - 1)
                 sample_slots.append(req.slot)
                 sample_params.append(req.params)
@@ -173,6 +212,12 @@ class ModelRunner:
             penalty_slots=penalty_slots,
             bitmask=bitmask,
             bitmask_rows=bitmask_rows,
+            bias_rows=torch.tensor(bias_rows, dtype=torch.long),
+            bias_ids=torch.tensor(bias_ids, dtype=torch.long),
+            bias_values=torch.tensor(bias_values, dtype=torch.float32),
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
+            prompt_targets=torch.tensor(prompt_targets, dtype=torch.long),
+            prompt_spans=prompt_spans,
             cache_ops=cache_ops,
             restores=restores,
         )
@@ -208,31 +253,26 @@ class ModelRunner:
         """Run one step; `launched` is called once all of its work is queued on the device,
         before this thread blocks on it (on a CPU: once it is done)."""
         if self.stream is None:
-            result = self._execute(step)
+            result, prompt = self._execute(step)
             if launched is not None:
                 launched()
-            return StepResult([], []) if result is None else self._to_host(result, step.sampling)
+            return self._to_host(result, prompt, step)
         # Accelerators: launch on our stream, copy the few result values to the
         # host asynchronously and block this worker thread (not the event loop) on an event.
         with self.device_module.stream(self.stream):
-            result = self._execute(step)
-            if result is not None:
-                result = SampleResult(
-                    *(
-                        None if t is None else t.to("cpu", non_blocking=True)
-                        for t in vars(result).values()
-                    )
-                )
+            result, prompt = self._execute(step)
+            result, prompt = _to_cpu(result), _to_cpu(prompt)
+            if result is not None or prompt is not None:
                 done = self.device_module.Event()
                 done.record(self.stream)
         if launched is not None:
             launched()
-        if result is None:
+        if result is None and prompt is None:
             return StepResult([], [])
         done.synchronize()
-        return self._to_host(result, step.sampling)
+        return self._to_host(result, prompt, step)
 
-    def _execute(self, step: PreparedStep) -> SampleResult | None:
+    def _execute(self, step: PreparedStep) -> tuple[SampleResult | None, TargetLogprobs | None]:
         dev = self.device
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
@@ -251,8 +291,9 @@ class ModelRunner:
             self.after_forward()
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
+        prompt = self._prompt_logprobs(hidden, step) if step.prompt_spans else None
         if step.sampling is None:
-            return None
+            return None, prompt
         logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
         sb = step.sampling.to(dev)
         raw = logits.clone() if sb.max_logprobs is not None else logits
@@ -260,6 +301,13 @@ class ModelRunner:
             states = [self.penalties[s] for s in step.penalty_slots]
             params = [sb.params[r] for r in step.penalty_rows]
             apply_penalties(logits, step.penalty_rows, states, params)
+        if step.bias_rows.numel():
+            apply_logit_bias(
+                logits,
+                step.bias_rows.to(dev, non_blocking=True),
+                step.bias_ids.to(dev, non_blocking=True),
+                step.bias_values.to(dev, non_blocking=True),
+            )
         if step.bitmask is not None:
             apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
         result = sample(logits, sb, self.generator)
@@ -269,10 +317,31 @@ class ModelRunner:
             self.penalties[slot].output_counts[result.tokens[row]] += 1
         if sb.max_logprobs is not None:
             result = add_logprobs(result, raw, sb.max_logprobs)
-        return result
+        return result, prompt
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: PreparedStep) -> TargetLogprobs:
+        """Each prompt row's logprob of the next prompt token: full-vocabulary logits for these
+        rows only, a bounded number of rows at a time."""
+        rows = step.prompt_rows.to(self.device, non_blocking=True)
+        targets = step.prompt_targets.to(self.device, non_blocking=True)
+        top_n = max(span.top_n for span in step.prompt_spans)
+        parts = []
+        for i in range(0, rows.numel(), PROMPT_LOGITS_ROWS):
+            chunk = slice(i, i + PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden[rows[chunk]])
+            parts.append(target_logprobs(logits, targets[chunk], top_n))
+        return TargetLogprobs.cat(parts)
+
+    def _to_host(
+        self, result: SampleResult | None, prompt: TargetLogprobs | None, step: PreparedStep
+    ) -> StepResult:
+        out = StepResult([], []) if result is None else self._sampled(result, step.sampling)
+        if prompt is not None:
+            out.prompt_logprobs = _prompt_entries(prompt, step)
+        return out
 
     @staticmethod
-    def _to_host(result: SampleResult, sb: SamplingBatch) -> StepResult:
+    def _sampled(result: SampleResult, sb: SamplingBatch) -> StepResult:
         tokens = result.tokens.tolist()
         for p, token in zip(sb.params, tokens):
             if p.constraint is not None:  # the scheduler holds the request back until now
@@ -290,3 +359,29 @@ class ModelRunner:
             top = list(zip(top_ids[i][: p.logprobs], top_lps[i][: p.logprobs])) if top_ids else []
             logprobs.append(TokenLogprob(tokens[i], chosen[i], top))
         return StepResult(tokens, logprobs)
+
+
+def _to_cpu(result: Any) -> Any:
+    """A result dataclass of device tensors, copied to the host asynchronously."""
+    if result is None:
+        return None
+    values = vars(result).values()
+    return type(result)(*(None if t is None else t.to("cpu", non_blocking=True) for t in values))
+
+
+def _prompt_entries(
+    prompt: TargetLogprobs, step: PreparedStep
+) -> list[tuple[int, int, list[TokenLogprob]]]:
+    chosen, ranks = prompt.logprob.tolist(), prompt.rank.tolist()
+    targets = step.prompt_targets.tolist()
+    top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
+    top_lps = prompt.top_logprobs.tolist() if prompt.top_logprobs is not None else None
+    out, row = [], 0
+    for span in step.prompt_spans:
+        entries = []
+        for k in range(row, row + span.count):
+            top = list(zip(top_ids[k][: span.top_n], top_lps[k][: span.top_n])) if top_ids else []
+            entries.append(TokenLogprob(targets[k], chosen[k], top, ranks[k]))
+        out.append((span.seq_index, span.first, entries))
+        row += span.count
+    return out

@@ -1,5 +1,5 @@
-"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p,
-per-request seeds and logprobs with top-N alternatives."""
+"""Batched sampling on the device: penalties, logit bias, temperature, top-k, top-p, min-p,
+per-request seeds, and logprobs with top-N alternatives (of sampled and of prompt tokens)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,13 @@ def apply_penalties(
             x.sub_(p.presence_penalty * (counts > 0).to(x.dtype))
 
 
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
+) -> None:
+    """logits[rows[i], token_ids[i]] += bias[i]: OpenAI's `logit_bias`, on the logits to sample."""
+    logits.index_put_((rows, token_ids), bias, accumulate=True)
+
+
 def _mask_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.needs_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -161,6 +168,38 @@ def add_logprobs(result: SampleResult, raw_logits: torch.Tensor, top_n: int) -> 
     return SampleResult(
         result.tokens,
         chosen,
+        None if top is None else top.indices,
+        None if top is None else top.values,
+    )
+
+
+@dataclass
+class TargetLogprobs:
+    """Logprobs of given tokens (prompt logprobs: each row's next prompt token)."""
+
+    logprob: torch.Tensor  # [R]
+    rank: torch.Tensor  # [R] long, 1 = the most likely token
+    top_ids: torch.Tensor | None  # [R, N]
+    top_logprobs: torch.Tensor | None  # [R, N]
+
+    @staticmethod
+    def cat(parts: list[TargetLogprobs]) -> TargetLogprobs:
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return TargetLogprobs(*(cat(name) for name in vars(parts[0])))
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> TargetLogprobs:
+    """logits: [R, V] raw; targets: [R] the token whose logprob each row reports."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets[:, None])
+    rank = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(top_n, dim=-1) if top_n > 0 else None
+    return TargetLogprobs(
+        chosen.squeeze(1),
+        rank,
         None if top is None else top.indices,
         None if top is None else top.values,
     )
