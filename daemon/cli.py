@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 429 once this many requests wait for the engine (0 = no limit)",
     )
     serve.add_argument(
+        "--tool-call-parser",
+        default=S,
+        help="dense models' tool-call format: auto (from the chat template) | hermes | "
+        "llama3_json | none",
+    )
+    serve.add_argument(
         "--response-store-max-count",
         type=int,
         default=S,

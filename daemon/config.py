@@ -53,6 +53,9 @@ class ServerConfig:
     api_key: str | None = None  # when set, requests need `Authorization: Bearer` or `x-api-key`
     admin_socket: str | None = None  # Unix socket for live administration (mode 0600)
     max_waiting: int = 0  # answer 429 once this many requests wait for the engine (0 = off)
+    # the format of dense models' tool calls, as vLLM's --tool-call-parser:
+    # auto (the one the chat template teaches) | hermes | llama3_json | none (no tools)
+    tool_call_parser: str = "auto"
     # Responses kept for retrieval and `previous_response_id` (OpenAI's `store`), in host memory:
     # least recently used out past the count or the memory, dropped ttl seconds after last use
     response_store_max_count: int = 10_000  # 0 = keep none

@@ -168,6 +168,7 @@ def _parse_text(name: str, text: str, hint: Any) -> Any:
 
 def check(s: Settings) -> None:
     """Values each setting can take, and how settings must agree with each other."""
+    from daemon.api.tool_parsers import PARSERS
     from daemon.kv.traffic import TrafficClasses
     from daemon.loop.prefix import POLICIES
 
@@ -176,6 +177,7 @@ def check(s: Settings) -> None:
     _choice("engine.dtype", e.dtype, ("auto", "float32", "float16", "bfloat16"))
     _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
     _choice("logging.level", lg.level, LOG_LEVELS)
+    _choice("server.tool_call_parser", sv.tool_call_parser, ("auto", "none", *PARSERS))
     _choice("logging.format", lg.format, LOG_FORMATS)
     for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(e, key) <= 0:

@@ -185,3 +185,30 @@ def test_n_choices_with_a_grammar(client: OpenAI) -> None:
     import re
 
     assert all(re.fullmatch(fmt["regex"], c.message.content) for c in r.choices)
+
+
+def test_unknown_role_is_rejected(client: OpenAI) -> None:
+    messages = USER + [{"role": "wizard", "content": "abracadabra"}]
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert e.value.body["param"] == "messages[2].role"
+    assert e.value.body["code"] == "invalid_value" and "'wizard'" in e.value.body["message"]
+
+
+def test_developer_role_renders_as_system(client: OpenAI, chat_dir: Path) -> None:
+    """Current OpenAI SDKs send `developer` where `system` was; the template sees `system`."""
+    messages = [{"role": "developer", "content": "Be brief."}, USER[1]]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens == _prompt_len(chat_dir)
+
+
+def test_tools_need_a_tool_call_format(client: OpenAI) -> None:
+    """This template teaches no tool-call format: tools are refused, unless tool_choice none."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=USER, max_tokens=1, tools=[tool])
+    assert e.value.body["param"] == "tools"
+    r = client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=1, tools=[tool], tool_choice="none"
+    )
+    assert r.choices[0].message.tool_calls is None

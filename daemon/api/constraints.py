@@ -84,6 +84,8 @@ class Constraints:
                 source, required=kind == "tool_call_required", marker_id=self.marker_id
             )
             return self.compiler.compile_structural_tag(json.dumps(tag))
+        if kind == "structural_tag":  # source: a structural tag's JSON (dense tool calls)
+            return self.compiler.compile_structural_tag(source)
         raise ValueError(f"unsupported constraint kind {kind!r}")
 
     async def for_response_format(self, fmt: Any) -> Grammar | None:

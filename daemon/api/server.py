@@ -72,7 +72,9 @@ def create_app(
         served_name == DEMO_NAME if demo is None else demo,
         int(time.time()),
         codec=codec,
-        chat_template=_chat_template(engine, model_dir) if codec is None else None,
+        chat_template=(
+            _chat_template(engine, model_dir, server_cfg.tool_call_parser) if codec is None else None
+        ),
         constraints=_constraints(engine),
         max_waiting=server_cfg.max_waiting,
         api_key=server_cfg.api_key,
@@ -104,10 +106,12 @@ def _constraints(engine: Engine) -> Constraints | None:
     return Constraints(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
 
 
-def _chat_template(engine: Engine, model_dir: Path | None) -> ChatTemplate | None:
+def _chat_template(
+    engine: Engine, model_dir: Path | None, tool_parser: str = "auto"
+) -> ChatTemplate | None:
     if engine.tokenizer is None or model_dir is None:
         return None
-    return ChatTemplate.load(model_dir, engine.tokenizer)
+    return ChatTemplate.load(model_dir, engine.tokenizer, tool_parser)
 
 
 def is_deepseek_v4(model: object) -> bool:
