@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import aiohttp
 import openai
 import pytest
 from openai import OpenAI
@@ -69,6 +70,35 @@ def test_previous_response_id_continues_the_conversation(oai: OpenAI) -> None:
     assert [i.id for i in items[1:-1]] == [o.id for o in first.output]
     assert items[-1].role == "user" and items[-1].content[0].text == "What is my name?"
     assert all(i.id for i in items)
+
+
+def test_function_call_output_continues_a_tool_call(oai: OpenAI) -> None:
+    """The agent loop: a forced call, then only its output with `previous_response_id`."""
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        }
+    ]
+    args = dict(model=M, tools=tools, reasoning={"effort": "none"})
+    first = oai.responses.create(
+        input="Weather in Paris?", tool_choice="required", max_output_tokens=30, **args
+    )
+    call = next(o for o in first.output if o.type == "function_call")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = oai.responses.create(
+        input=[output], previous_response_id=first.id, max_output_tokens=2, **args
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens
+    items = list(oai.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1].id == call.id and items[2].call_id == call.call_id
 
 
 def test_input_items_pages(oai: OpenAI) -> None:
@@ -194,3 +224,25 @@ def test_store_settings_checked() -> None:
             load_settings(overrides={"server": {key: value}})
     server = load_settings(overrides={"server": {"response_store_memory_gb": 0}}).server
     assert server.response_store_memory_gb == 0.0
+
+
+async def test_malformed_requests_are_400(v4_api_server, oai: OpenAI) -> None:
+    first = oai.responses.create(model=M, input="hi", max_output_tokens=1)
+    base = v4_api_server.base_url + "/responses"
+    posts = [
+        {"input": 5, "previous_response_id": first.id},
+        {"input": [7, "x"], "previous_response_id": first.id},
+        {"input": "hi", "previous_response_id": ""},
+    ]
+    gets = ["limit=abc", "limit=101", "order=up", "after=msg_unknown", "before=msg_unknown"]
+    async with aiohttp.ClientSession() as s:
+        for body in posts:
+            async with s.post(base, json={"model": M, "max_output_tokens": 1, **body}) as r:
+                assert r.status == 400, body
+                assert (await r.json())["error"]["type"] == "invalid_request_error"
+        for query in gets:
+            async with s.get(f"{base}/{first.id}/input_items?{query}") as r:
+                assert r.status == 400, query
+                assert (await r.json())["error"]["message"]
+        async with s.get(f"{base}/{first.id}?stream=true") as r:
+            assert r.status == 400

@@ -55,9 +55,11 @@ class Turn:
                     code="previous_response_not_found",
                 )
             items = _history(stored) + items
-            # instructions and tools are the new request's own, as OpenAI does
-            body = {k: v for k, v in body.items() if k != "previous_response_id"}
-            body["input"] = items
+            # instructions and tools are the new request's own, as OpenAI does; an `input` of a
+            # wrong type stays as it is, for the recipe to refuse
+            if body.get("input") is None or isinstance(body["input"], str | list):
+                body = {k: v for k, v in body.items() if k != "previous_response_id"}
+                body["input"] = items
         return body, cls(store if keep else None, previous, items)
 
     def finish(self, response_json: str) -> str:
@@ -72,6 +74,8 @@ class Turn:
         if name not in _RESPONSE_EVENTS:
             return event_json
         event = orjson.loads(event_json)
+        if not isinstance(event.get("response"), dict):
+            return event_json
         response = self._patched(event["response"])
         if name in _FINAL_EVENTS:
             self._keep(response, orjson.dumps(response))
