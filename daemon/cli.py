@@ -212,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 429 once this many requests wait for the engine (0 = no limit)",
     )
     serve.add_argument(
+        "--thinking-default",
+        default=S,
+        choices=("auto", "on", "off"),
+        help="DeepSeek-V4, requests that do not say whether to think (auto: Messages no, "
+        "Chat Completions and Responses yes, as Anthropic's and DeepSeek's APIs do)",
+    )
+    serve.add_argument(
         "--tool-call-parser",
         default=S,
         help="dense models' tool-call format: auto (from the chat template) | hermes | "

@@ -53,6 +53,9 @@ class ServerConfig:
     api_key: str | None = None  # when set, requests need `Authorization: Bearer` or `x-api-key`
     admin_socket: str | None = None  # Unix socket for live administration (mode 0600)
     max_waiting: int = 0  # answer 429 once this many requests wait for the engine (0 = off)
+    # DeepSeek-V4, a request that does not say whether to think: auto (Messages no, as
+    # Anthropic's API; Chat Completions and Responses yes, as DeepSeek's) | on | off
+    thinking_default: str = "auto"
     # the format of dense models' tool calls, as vLLM's --tool-call-parser:
     # auto (the one the chat template teaches) | hermes | llama3_json | none (no tools)
     tool_call_parser: str = "auto"

@@ -171,12 +171,14 @@ def check(s: Settings) -> None:
     from daemon.api.tool_parsers import PARSERS
     from daemon.kv.traffic import TrafficClasses
     from daemon.loop.prefix import POLICIES
+    from daemon.recipe.codec import THINKING_DEFAULTS
 
     e, sv, lg = s.engine, s.server, s.logging
     _choice("engine.device", e.device, ("auto", "cpu", "cuda", "npu"))
     _choice("engine.dtype", e.dtype, ("auto", "float32", "float16", "bfloat16"))
     _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
     _choice("logging.level", lg.level, LOG_LEVELS)
+    _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, ("auto", "none", *PARSERS))
     _choice("logging.format", lg.format, LOG_FORMATS)
     for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):

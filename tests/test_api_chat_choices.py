@@ -44,7 +44,12 @@ def test_greedy_choices_are_equal(oai: OpenAI) -> None:
 
 def test_stream_by_index_matches_whole(oai: OpenAI) -> None:
     whole = oai.chat.completions.create(**_args(n=3, seed=9, temperature=1.0))
-    chunks = list(oai.chat.completions.create(**_args(n=3, seed=9, temperature=1.0, stream=True)))
+    usage = {"include_usage": True}
+    chunks = list(
+        oai.chat.completions.create(
+            **_args(n=3, seed=9, temperature=1.0, stream=True, stream_options=usage)
+        )
+    )
     texts = {i: "" for i in range(3)}
     finish = {}
     for c in chunks:

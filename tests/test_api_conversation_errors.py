@@ -38,6 +38,8 @@ PER_ENDPOINT: dict[str, list[tuple[str, dict | bytes, int]]] = {
         ("max_tokens_over_context", {"max_tokens": 10_000_000}, 400),
         ("json_object_without_json", {"response_format": {"type": "json_object"}}, 400),
         ("tool_not_object", {"tools": [5]}, 400),
+        ("max_completion_tokens_string", {"max_completion_tokens": "3"}, 400),
+        ("stream_options_not_object", {"stream": True, "stream_options": 5}, 400),
     ],
     "/v1/responses": [
         ("missing_input", {"input": None}, 400),
@@ -48,6 +50,8 @@ PER_ENDPOINT: dict[str, list[tuple[str, dict | bytes, int]]] = {
         ("missing_messages", {"messages": None}, 400),
         ("empty_messages", {"messages": []}, 400),
         ("bad_role", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("missing_max_tokens", {"max_tokens": None}, 400),
+        ("max_tokens_string", {"max_tokens": "5"}, 400),
     ],
 }
 CASES = [

@@ -85,7 +85,12 @@ def test_chat_usage_counts_prefix_cache_hits(oai: OpenAI) -> None:
 def test_chat_stream_matches_usage(oai: OpenAI) -> None:
     chunks = list(
         oai.chat.completions.create(
-            model=M, messages=USER, max_tokens=5, stream=True, extra_body=NO_THINK
+            model=M,
+            messages=USER,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_THINK,
         )
     )
     assert all(c.object == "chat.completion.chunk" for c in chunks)

@@ -61,6 +61,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
             "engine.kv_store_high_watermark",
         ),
         ("[server]\nport = 70000\n", "server.port"),
+        ("[server]\nthinking_default = 'maybe'\n", "server.thinking_default"),
         ("[logging]\nformat = 'xml'\n", "logging.format"),
         ("engine = 3\n", "engine"),
         ("[engine\n", "node.toml"),
@@ -131,3 +132,15 @@ def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
         assert given.get("overlap") is want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--overlap", "--no-overlap"])
+
+
+def test_thinking_default_from_file_environment_and_flag(tmp_path: Path) -> None:
+    from daemon.cli import _settings, build_parser
+
+    assert load_settings().server.thinking_default == "auto"
+    path = _write(tmp_path, "[server]\nthinking_default = 'off'\n")
+    assert load_settings(path).server.thinking_default == "off"
+    env = {"DEEPINFER_SERVER_THINKING_DEFAULT": "on"}
+    assert load_settings(path, env).server.thinking_default == "on"
+    args = build_parser().parse_args(["serve", "--config", str(path), "--thinking-default", "on"])
+    assert _settings(args).server.thinking_default == "on"

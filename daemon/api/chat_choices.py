@@ -1,4 +1,4 @@
-"""n>1 Chat Completions through the recipe: every choice has its own parser, whose chunks and
+"""Chat Completions through the recipe: for n>1 every choice has its own parser, whose chunks and
 response say index 0 and carry that choice's usage. These set each choice's index and report
 the usage once, summed over the choices with the shared prompt counted once."""
 
@@ -28,24 +28,33 @@ def merge_usage(usages: list[Json]) -> Json:
 
 @dataclass
 class ChunkMerger:
-    """Rewrites the streamed chunks of `n` choices into one stream."""
+    """Rewrites the streamed chunks of `n` choices into one stream, with usage as OpenAI sends
+    it: on no choice's chunk; with `include_usage`, in one last chunk of no choices."""
 
     n: int
+    include_usage: bool = False
     usages: dict[int, Json] = field(default_factory=dict)
+    last: Json | None = None  # the usage chunk, once every choice has brought its usage
 
     def chunk(self, index: int, data: str) -> Json | None:
-        """Choice `index`'s chunk (its to_json()) with the index set. Its usage is held back;
-        the chunk that brings the last choice's usage carries the sum. None: nothing to send."""
+        """Choice `index`'s chunk (its to_json()) with the index set and its usage taken off
+        (`usage_chunk` sends the sum). None: nothing to send."""
         chunk = orjson.loads(data)
         for c in chunk.get("choices") or []:
             c["index"] = index
-        if chunk.get("usage"):
-            self.usages[index] = chunk["usage"]
-            done = len(self.usages) == self.n
-            chunk["usage"] = merge_usage([self.usages[i] for i in range(self.n)]) if done else None
-        if not chunk.get("choices") and not chunk.get("usage"):
-            return None
-        return chunk
+        usage = chunk.pop("usage", None)
+        if self.include_usage:
+            chunk["usage"] = None
+        if usage:
+            self.usages[index] = usage
+            if len(self.usages) == self.n:
+                merged = merge_usage([self.usages[i] for i in range(self.n)])
+                self.last = chunk | {"choices": [], "usage": merged}
+        return chunk if chunk.get("choices") else None
+
+    def usage_chunk(self) -> Json | None:
+        """The chunk to send after every choice's last one (`stream_options.include_usage`)."""
+        return self.last if self.include_usage else None
 
 
 def merge_responses(responses: list[str]) -> bytes:

@@ -18,7 +18,7 @@ from daemon.api.completions_protocol import MAX_N
 from daemon.api.constraints import Grammar
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, sample_jobs, submit_all
-from daemon.api.params import JsonObject, get_int
+from daemon.api.params import JsonObject, get_bool, get_int, get_object
 from daemon.api.sse import SSEWriter
 from daemon.api.state import ApiState, get_state, read_json_object
 from daemon.api.stored_responses import RESPONSE_STORE, Turn
@@ -62,6 +62,9 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
     grammar = await _grammar(state, prepared)
     state.check_capacity()
     cache = cache_options(request, body, state.engine)
+    include_usage = protocol is CHAT and get_bool(
+        get_object(body, "stream_options"), "include_usage"
+    )
     eos, prompt_len = state.engine.eos_token_ids, len(prepared.prompt_ids)
     outs = [OutputStream(state.codec.processor(prepared), eos, prompt_len) for _ in range(n)]
     reqs: list[Request] = []
@@ -69,7 +72,7 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
         jobs = sample_jobs(prepared.prompt_ids, prepared.params, n, grammar)
         reqs = submit_all(state.engine, rid, jobs, cache=cache)
         if prepared.stream:
-            return await _stream(request, state, protocol, reqs, outs, turn)
+            return await _stream(request, state, protocol, reqs, outs, turn, include_usage)
         return await _whole(state, protocol, reqs, outs, rid, turn)
     finally:
         for out in outs:
@@ -127,10 +130,11 @@ async def _stream(
     reqs: list[Request],
     outs: list[OutputStream],
     turn: Turn | None = None,
+    include_usage: bool = False,
 ) -> web.StreamResponse:
     writer: SSEWriter | None = None
     name_of = protocol.response_cls.sse_event_name
-    merger = ChunkMerger(len(reqs)) if len(reqs) > 1 else None
+    merger = ChunkMerger(len(reqs), include_usage) if protocol is CHAT else None
     try:
         async with FanOut(state.engine, reqs) as fan:  # entered first: it aborts on any exit
             writer = await SSEWriter.open(request)
@@ -146,6 +150,9 @@ async def _stream(
                         await writer.send_raw(data, name)
                     elif (chunk := merger.chunk(i, ev.to_json())) is not None:
                         await writer.send(chunk)
+            else:
+                if merger is not None and (usage := merger.usage_chunk()) is not None:
+                    await writer.send(usage)
         done = protocol.response_cls.sse_done_data()
         if done is not None:
             await writer.send_raw(done)

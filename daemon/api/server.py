@@ -60,7 +60,8 @@ def create_app(
     model_dir: Path | None = None,
 ) -> web.Application:
     """`model_dir` (the checkpoint) supplies the chat template of non-DeepSeek families."""
-    codec = _codec(engine, served_name)
+    logging_setup.add_secret(server_cfg.api_key)
+    codec = _codec(engine, served_name, server_cfg.thinking_default)
     app = web.Application(
         client_max_size=server_cfg.max_body_bytes,
         middlewares=[request_id_middleware, error_middleware, auth_middleware],
@@ -68,12 +69,13 @@ def create_app(
     app[STATE] = ApiState(
         engine,
         served_name,
-    logging_setup.add_secret(server_cfg.api_key)
         served_name == DEMO_NAME if demo is None else demo,
         int(time.time()),
         codec=codec,
         chat_template=(
-            _chat_template(engine, model_dir, server_cfg.tool_call_parser) if codec is None else None
+            _chat_template(engine, model_dir, server_cfg.tool_call_parser)
+            if codec is None
+            else None
         ),
         constraints=_constraints(engine),
         max_waiting=server_cfg.max_waiting,
@@ -93,11 +95,11 @@ def create_app(
     return app
 
 
-def _codec(engine: Engine, served_name: str) -> RecipeCodec | None:
+def _codec(engine: Engine, served_name: str, thinking_default: str) -> RecipeCodec | None:
     """DeepSeek-V4 checkpoints with a tokenizer speak through deepseek-recipe."""
     if engine.tokenizer is None or not is_deepseek_v4(engine.runner.model):
         return None
-    return RecipeCodec(engine.tokenizer, served_name, engine.max_model_len)
+    return RecipeCodec(engine.tokenizer, served_name, engine.max_model_len, thinking_default)
 
 
 def _constraints(engine: Engine) -> Constraints | None:
@@ -285,6 +287,7 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
             "settings_reload_rejected", error=f"cannot open the log file {e.filename}: {e.strerror}"
         )
         return
+    logging_setup.add_secret(new.server.api_key)
     state.api_key, state.max_waiting = new.server.api_key, new.server.max_waiting
     if state.engine.moe is not None:
         state.engine.moe.set_intervals(
@@ -302,7 +305,6 @@ async def _first_of(*events: asyncio.Event) -> None:
     waits = [asyncio.create_task(event.wait()) for event in events]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    logging_setup.add_secret(new.server.api_key)
     finally:
         for wait in waits:
             wait.cancel()

@@ -1,4 +1,5 @@
-"""POST /tokenize and /detokenize (vLLM-style): text or chat messages -> ids, ids -> text."""
+"""POST /tokenize and /detokenize (vLLM-style): text or chat messages -> ids, ids -> text; and
+POST /v1/messages/count_tokens (Anthropic's): the prompt tokens of a Messages body."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request(f"token ids must lie in [0, {tok.vocab_size})", "tokens")
     text = tok.decode(ids, skip_special_tokens=False)
     return web.json_response({"prompt": text}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+@routes.post("/v1/messages/count_tokens")
+async def count_tokens(request: web.Request) -> web.Response:
+    state = get_state(request)
+    body = await read_json_object(request)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    state.check_model(model)
+    if state.codec is None:
+        raise bad_request(f"{request.path} is not available for this model (it has no chat codec)")
+    try:
+        count = await asyncio.to_thread(state.codec.count_messages, body)
+    except CodecError as e:
+        raise bad_request(str(e)) from None
+    return web.json_response({"input_tokens": count})
 
 
 def _tokenizer(state: ApiState, body: dict) -> TextTokenizer:

@@ -8,6 +8,7 @@ from typing import Any
 import deepseek_recipe as dr
 
 from daemon.loop.request import SamplingParams
+from daemon.recipe.bodies import chat_body, messages_body
 from daemon.tokenizer import TextTokenizer
 
 Generator = dr.ChatCompletionChunkGenerator | dr.ResponsesChunkGenerator | dr.MessagesChunkGenerator
@@ -27,6 +28,7 @@ class Protocol:
 CHAT = Protocol("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-")
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_")
+THINKING_DEFAULTS = ("auto", "on", "off")  # auto: per protocol (thinks_by_default)
 
 
 class CodecError(ValueError):
@@ -57,13 +59,25 @@ class Prepared:
 class RecipeCodec:
     """Converts and encodes requests for a DeepSeek-V4 model served as `served_name`."""
 
-    def __init__(self, tokenizer: TextTokenizer, served_name: str, context_limit: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        served_name: str,
+        context_limit: int,
+        thinking_default: str = "auto",
+    ) -> None:
+        """`thinking_default` (one of THINKING_DEFAULTS): whether a request that does not say
+        thinks."""
         self.tokenizer = dr.Tokenizer.from_str(tokenizer.tokenizer.to_str())
         self.served_name = served_name
         self.context_limit = context_limit
-        self.options = dr.ConversionOptions().with_model_alias(
+        options = dr.ConversionOptions().with_model_alias(
             served_name, dr.ModelVersion.DeepseekV4Pro
         )
+        self.options = {
+            p.name: options.with_default_thinking_mode(thinks_by_default(thinking_default, p))
+            for p in (CHAT, RESPONSES, MESSAGES)
+        }
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
         end = dr.SpecialToken.ThinkingEnd.default_str()
         self.think_end_id: int | None = tokenizer.tokenizer.token_to_id(end)
@@ -72,9 +86,9 @@ class RecipeCodec:
         """Raises CodecError for anything the client got wrong. Encoding a long conversation
         takes a while (it releases the GIL): call it off the event loop."""
         try:
-            request = protocol.request_cls(body)
+            request = protocol.request_cls(adapt(protocol, body))
             echo = request.echo() if protocol is RESPONSES else None
-            conv = request.convert(self.options)
+            conv = request.convert(self.options[protocol.name])
             prompt_ids = self.encoding.encode(conv.conversation)
             max_tokens = conv.resolve_max_tokens(len(prompt_ids), self.context_limit)
         except dr.ConversionError as e:
@@ -93,8 +107,15 @@ class RecipeCodec:
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """The prompt ids of a Chat Completions body (for /tokenize)."""
+        return self._encode(CHAT, chat_body(body))
+
+    def count_messages(self, body: dict[str, Any]) -> int:
+        """The prompt tokens of a Messages body, which needs no `max_tokens` (count_tokens)."""
+        return len(self._encode(MESSAGES, messages_body(body, counting=True)))
+
+    def _encode(self, protocol: Protocol, body: dict[str, Any]) -> list[int]:
         try:
-            conv = dr.ChatCompletionRequest(body).convert(self.options)
+            conv = protocol.request_cls(body).convert(self.options[protocol.name])
             return self.encoding.encode(conv.conversation)
         except (dr.ConversionError, ValueError) as e:
             raise CodecError(str(e)) from None
@@ -107,6 +128,22 @@ class RecipeCodec:
         if prepared.echo is not None:
             generator = generator.with_echo(prepared.echo)
         return dr.StreamProcessor(generator, prepared.parsing_options, self.tokenizer)
+
+
+def thinks_by_default(setting: str, protocol: Protocol) -> bool:
+    """auto: as each protocol's own service does: Messages thinks only when asked (Anthropic);
+    Chat Completions and Responses think unless told not to (DeepSeek's API, effort high)."""
+    if setting == "auto":
+        return protocol is not MESSAGES
+    return setting == "on"
+
+
+def adapt(protocol: Protocol, body: dict[str, Any]) -> dict[str, Any]:
+    if protocol is CHAT:
+        return chat_body(body)
+    if protocol is MESSAGES:
+        return messages_body(body)
+    return body
 
 
 def sampling_params(conv: dr.ConversationRequest, max_tokens: int) -> SamplingParams:

@@ -27,6 +27,8 @@ class OutputStream:
 
     def feed(self, out: RequestOutput) -> list:
         events: list = []
+        if self.finished:  # the parser ended at a stop sequence before the engine's output did
+            return events
         if not self.started:
             self.started = True
             self.num_cached_tokens = out.num_cached_tokens
@@ -44,7 +46,9 @@ class OutputStream:
         if ids:
             pairs = [(lp.logprob, list(lp.top)) for lp in lps] if lps else None
             events += self.processor.push(dr.InferenceChunk.tokens(ids, pairs))
-        if out.finished and out.finish_reason in _FINISH:
+        if self.processor.finished:  # a stop sequence ended it; it takes no finish chunk
+            self.finished = True
+        elif out.finished and out.finish_reason in _FINISH:
             events += self.processor.push(dr.InferenceChunk.finish(_FINISH[out.finish_reason]))
             events += self.processor.finish()
             self.finished = True
