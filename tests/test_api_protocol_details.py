@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import aiohttp
 import anthropic
 import pytest
 from openai import OpenAI
@@ -229,3 +230,26 @@ def test_messages_count_tokens_errors(claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.count_tokens(model=M, messages=[])
     assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"messages": USER}, 400),
+        ({"model": M}, 400),
+        ({"model": M, "messages": "hi"}, 400),
+        ({"model": M, "messages": USER, "tools": 5}, 400),
+        ({"model": M, "messages": USER, "tools": [{"type": "custom"}]}, 400),
+        ({"model": M, "messages": USER, "thinking": "yes"}, 400),
+        ({"model": M, "messages": USER, "system": [{"type": "text", "text": 5}]}, 400),
+        ({"model": M, "messages": USER, "max_tokens": 4}, 200),
+    ],
+)
+async def test_count_tokens_bad_bodies(v4_api_server, body: dict, status: int) -> None:
+    url = v4_api_server.url + "/v1/messages/count_tokens"
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        payload = await r.json()
+        assert r.status == status, payload
+        if status == 400:
+            assert payload["type"] == "error"
+            assert payload["error"]["type"] == "invalid_request_error"
