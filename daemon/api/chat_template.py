@@ -73,7 +73,7 @@ class ChatTemplate:
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 **self.special,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # e.g. str + a missing name
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
 
     def encode(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
@@ -144,7 +144,9 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        return "".join(
+            p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
     raise bad_request("message 'content' must be a string or an array of parts", "messages")
 
 

@@ -98,9 +98,11 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
             raise bad_request(f"two tools are named {name!r}", f"{where}.function.name")
         seen.add(name)
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
+        if params is not None and (
+            not isinstance(params, dict) or params.get("type", "object") != "object"
+        ):
             raise bad_request(
-                f"'{where}.function.parameters' must be a JSON schema object",
+                f"'{where}.function.parameters' must be a JSON schema of type 'object'",
                 f"{where}.function.parameters",
             )
     return raw
