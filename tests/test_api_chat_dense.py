@@ -212,3 +212,23 @@ def test_tools_need_a_tool_call_format(client: OpenAI) -> None:
         model=NAME, messages=USER, max_tokens=1, tools=[tool], tool_choice="none"
     )
     assert r.choices[0].message.tool_calls is None
+
+
+def test_logit_bias(client: OpenAI, chat_dir: Path) -> None:
+    """OpenAI's `logit_bias`: +100 forces a token, -100 bans one; a bad map is a 400."""
+    tok = TextTokenizer(chat_dir, {})
+    forced = tok.encode("hello", add_special_tokens=False)[0]
+    args = dict(model=NAME, messages=USER, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(**args, logit_bias={str(forced): 100})
+    assert r.choices[0].message.content == tok.decode([forced] * 3)
+    plain = client.chat.completions.create(**args, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    banned = client.chat.completions.create(
+        **args,
+        logprobs=True,
+        logit_bias={str(tok.encode(first, add_special_tokens=False)[0]): -100},
+    )
+    assert banned.choices[0].logprobs.content[0].token != first
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(**args, logit_bias={"x": 1})
+    assert e.value.body["param"] == "logit_bias"

@@ -7,7 +7,14 @@ import math
 import torch
 
 from daemon.loop.request import SamplingParams
-from daemon.loop.sampler import PenaltyState, SamplingBatch, apply_penalties, sample
+from daemon.loop.sampler import (
+    PenaltyState,
+    SamplingBatch,
+    apply_logit_bias,
+    apply_penalties,
+    sample,
+    target_logprobs,
+)
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
@@ -77,3 +84,19 @@ def test_penalties_match_their_definitions() -> None:
     ]
     assert torch.allclose(logits[0], torch.tensor(expected)), logits
     assert math.isclose(float(state.output_counts[3]), 2)
+
+
+def test_logit_bias_forces_and_bans() -> None:
+    logits = LOGITS.expand(2, -1).clone()
+    rows, ids, bias = torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([100.0, -100.0])
+    apply_logit_bias(logits, rows, ids, bias)
+    sb = SamplingBatch.build([SamplingParams(temperature=0.0)] * 2, [0, 0], 4)
+    assert sample(logits, sb, None).tokens.tolist() == [3, 1]  # forced; the argmax banned
+
+
+def test_target_logprobs_rank_and_top() -> None:
+    out = target_logprobs(LOGITS.expand(2, -1).clone(), torch.tensor([2, 0]), 2)
+    assert torch.allclose(out.logprob, PROBS[[2, 0]].log())
+    assert out.rank.tolist() == [3, 1]
+    assert out.top_ids.tolist() == [[0, 1], [0, 1]]
+    assert target_logprobs(LOGITS[None], torch.tensor([1]), 0).top_ids is None
