@@ -123,6 +123,7 @@ def _prefix_cache(
             block_bytes,
             fsync=cfg.kv_store_fsync,
             io_threads=cfg.kv_store_io_threads,
+            read_timeout_s=cfg.kv_store_read_timeout_s,
         )
     names = [getattr(g.spec, "name", "") for g in kv.groups]
     if "swa" not in names:

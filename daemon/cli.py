@@ -112,6 +112,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-low-watermark", type=float, default=S)
     g.add_argument("--kv-store-gc-interval-s", type=float, default=S)
     g.add_argument(
+        "--kv-store-read-timeout-s",
+        type=float,
+        default=S,
+        help="a block read not back by then is a miss (a hung network file system)",
+    )
+    g.add_argument(
         "--traffic-class",
         action="append",
         default=S,
@@ -300,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         setup_logging(settings.logging.level, settings.logging.format, settings.logging.file)
+        add_secret(settings.server.api_key)
     except OSError as e:
         print(f"deepinfer: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
@@ -319,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(_generate(args, settings.engine))
     except KeyboardInterrupt:
         return 130
-        add_secret(settings.server.api_key)
     except StartupError as e:
         log.error("startup_failed", error=str(e))
         return EXIT_STARTUP_FAILED

@@ -33,6 +33,7 @@ class EngineConfig:
     kv_store_high_watermark: float = 0.9  # above this fraction of capacity, evict ...
     kv_store_low_watermark: float = 0.8  # ... down to this one
     kv_store_gc_interval_s: float = 300.0
+    kv_store_read_timeout_s: float = 10.0  # a block read not back by then is a miss
     traffic_classes: list[str] = field(default_factory=list)  # NAME=DURATION retention overrides
     # expert parallelism (MoE models): one daemon process per rank, ranks step together
     ep_size: int = 1

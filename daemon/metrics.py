@@ -182,7 +182,7 @@ class _EngineCollector:
         )
         tiers = GaugeMetricFamily(
             "deepinfer:kv_cache_tier_bytes",
-            "Prefix-cache content by tier: device (cached blocks), host, store (at the last sweep).",
+            "Prefix-cache content by tier: device (cached blocks), host, store (block files).",
             labels=["tier"],
         )
         for tier, key in (
@@ -193,3 +193,33 @@ class _EngineCollector:
             if key in stats:
                 tiers.add_metric([tier], stats[key])
         yield tiers
+        if "kv_store_writes" in stats:
+            yield from _store(stats)
+
+
+_STORE_FAILURES = {
+    "failed_writes": "the file system refused a write (full, read-only)",
+    "dropped_writes": "not attempted: the queue was full or writes were paused",
+    "failed_reads": "I/O errors",
+    "read_timeouts": "no answer by the deadline (a miss)",
+    "bad_files": "damaged or foreign files (removed)",
+}
+
+
+def _store(stats: dict) -> Iterator[Metric]:
+    if "kv_store_files" in stats:
+        yield GaugeMetricFamily(
+            "deepinfer:kv_store_files", "Block files in the store.", value=stats["kv_store_files"]
+        )
+    yield CounterMetricFamily(
+        "deepinfer:kv_store_writes", "Blocks written to the store.", value=stats["kv_store_writes"]
+    )
+    failures = CounterMetricFamily(
+        "deepinfer:kv_store_failures",
+        "Block-store operations that failed, by kind: "
+        + "; ".join(f"{k}: {v}" for k, v in _STORE_FAILURES.items()),
+        labels=["kind"],
+    )
+    for kind in _STORE_FAILURES:
+        failures.add_metric([kind], stats[f"kv_store_{kind}"])
+    yield failures

@@ -200,6 +200,8 @@ def check(s: Settings) -> None:
         raise ConfigError(
             "engine.kv_store_io_threads", "needs at least one thread and a positive GC interval"
         )
+    if e.kv_store_read_timeout_s <= 0:
+        raise ConfigError("engine.kv_store_read_timeout_s", "must be positive")
     try:
         TrafficClasses.from_specs(e.traffic_classes)
     except ValueError as err:

@@ -156,3 +156,96 @@ def test_unwritable_directory_skips_writes_and_logs_once(tmp_path: Path) -> None
         store.close()
     failures = [e for e in logs if e["event"] == "kv_store_write_failed"]
     assert len(failures) == 1, logs
+
+
+def test_full_disk_counts_failed_writes_and_a_sweep_that_frees_space_resumes_them(
+    tmp_path: Path,
+) -> None:
+    from daemon.kv.store_gc import StoreSweeper
+    from daemon.kv.traffic import TrafficClasses
+
+    with tmpfs(tmp_path / "small", "size=64k") as root:
+        store = BlockStore(root, FINGERPRINT, BLOCK_BYTES, retry_writes_after_s=3600)
+        written = [store.write(key(i), payload(i), "chat") for i in range(40)]
+        n = written.index(False)
+        assert store.counters.failed_writes == 1 and not any(written[n:])
+        assert store.counters.dropped_writes == 40 - n - 1  # paused after the failure
+        # the sweeper frees space (room for n blocks: evict down to half): writes go on at once
+        sweeper = StoreSweeper(store, TrafficClasses(), n * (HEADER_BYTES + BLOCK_BYTES), 0.5, 0.5)
+        assert sweeper.sweep().evicted > 0
+        assert store.write(key(100), payload(100), "chat")
+        store.close()
+
+
+# ---- files that must not be read whole, or at all -------------------------------------------
+
+
+def test_a_file_longer_than_its_header_says_is_not_read(tmp_path: Path) -> None:
+    import tracemalloc
+
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES)
+    store.write(key(1), payload(1), "chat")
+    path = store.path(key(1))
+    os.truncate(path, 256 << 20)  # a valid header, then 256 MiB (sparse)
+    tracemalloc.start()
+    try:
+        assert store.read(key(1)) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to read a {BLOCK_BYTES}-byte block"
+    assert not path.exists() and store.counters.bad_files == 1
+    store.close()
+
+
+def _in_thread(fn, timeout: float = 5.0):
+    """fn() in a thread; AssertionError if it has not returned within `timeout`."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn} did not return within {timeout} s"
+    return out[0]
+
+
+def test_a_fifo_in_place_of_a_block_is_a_miss(tmp_path: Path) -> None:
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES)
+    path = store.path(key(1))
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    try:
+        assert _in_thread(lambda: store.read(key(1))) is None
+        assert not path.exists() and store.counters.bad_files == 1
+    finally:
+        if path.exists():  # (a reader blocked in open() waits for a writer)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    _in_thread(store.close)
+
+
+async def test_reads_past_their_deadline_are_misses(tmp_path: Path) -> None:
+    """Every I/O thread stuck in the file system (as on a hung network mount): a chain read
+    is a miss at its deadline, and closing the store does not wait for the stuck threads."""
+    import asyncio
+    import threading
+    import time
+
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, io_threads=2, read_timeout_s=0.3)
+    assert store.write(key(1), payload(1), "chat")
+    hung = threading.Event()
+    for _ in range(2):
+        store.pool.submit(hung.wait)
+    try:
+        start = time.monotonic()
+        with capture_logs() as logs:
+            found = await asyncio.wait_for(store.load_chain([key(1), key(2)]), 5)
+        assert found == [] and time.monotonic() - start < 2
+        assert store.counters.read_timeouts == 2
+        assert [e["event"] for e in logs] == ["kv_store_read_timed_out"]
+        with capture_logs() as logs:
+            await asyncio.wait_for(asyncio.to_thread(store.close), 5)
+        assert [e["event"] for e in logs] == ["kv_store_io_stuck"]
+    finally:
+        hung.set()

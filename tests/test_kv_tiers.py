@@ -164,14 +164,29 @@ async def test_damaged_store_files_are_misses_not_errors(dense, tmp_path) -> Non
 
 
 async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
+    from prometheus_client import generate_latest
+
+    from daemon.metrics import EngineMetrics
+
     expected, _ = await run(dense, 512, prefix_caching=False)
     with tmpfs(tmp_path / "small", "size=64k") as root:
         fill(root)
-        with capture_logs() as logs:
-            turns, stats = await run(dense, 512, kv_store_dir=str(root / "store"))
+        engine = await engine_for(dense, kv_store_dir=str(root / "store"))
+        try:
+            with capture_logs() as logs:
+                turns = await conversation(engine, 512)
+            stats = engine.stats()
+            scraped = generate_latest(EngineMetrics(engine).registry).decode()
+        finally:
+            await engine.stop()
     assert answers(turns) == answers(expected)
     assert stats["kv_store_writes"] == 0
     assert len([e for e in logs if e["event"] == "kv_store_write_failed"]) == 1
+    # /health (engine.stats) and /metrics count what was not written
+    assert stats["kv_store_failed_writes"] >= 1 and stats["kv_store_dropped_writes"] > 0
+    failed = f'deepinfer:kv_store_failures_total{{kind="failed_writes"}} {stats["kv_store_failed_writes"]:.1f}'
+    assert failed in scraped, scraped
+    assert 'deepinfer:kv_store_failures_total{kind="dropped_writes"}' in scraped
 
 
 async def test_prefix_evicted_while_waiting_is_read_from_the_store(dense, tmp_path) -> None:

@@ -128,3 +128,39 @@ def test_traffic_class_specs() -> None:
     for bad in ("nope", "Bad Name=1d", "x=-1d", "x=ten"):
         with pytest.raises(ValueError):
             TrafficClasses.from_specs([bad])
+
+
+def test_a_fifo_in_the_store_is_swept_without_waiting(store: BlockStore) -> None:
+    import threading
+
+    now = time.time()
+    kept = put(store, 1, "chat", 0, now)
+    fifo = kept.with_name("ff" * 16 + ".kvb")
+    os.mkfifo(fifo)
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (StoreSweeper(store, TrafficClasses(), 0).sweep(now), done.set()),
+        daemon=True,
+    ).start()
+    try:
+        assert done.wait(5), "the sweep waits on a FIFO"
+        assert kept.exists() and not fifo.exists()
+    finally:
+        if fifo.exists():
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_store_usage_is_current_between_sweeps(store: BlockStore) -> None:
+    now = time.time()
+    for i in range(3):
+        put(store, i, "chat", 0, now)
+    assert store.usage is None  # unknown before the first sweep
+    StoreSweeper(store, TrafficClasses(), 0).sweep(now)
+    assert (store.usage.files, store.usage.bytes) == (3, 3 * FILE)
+    put(store, 10, "chat", 0, now)
+    assert (store.usage.files, store.usage.bytes) == (4, 4 * FILE)
+    path = store.path((10).to_bytes(16, "big"))
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))  # damaged: removed when read
+    assert store.read((10).to_bytes(16, "big")) is None
+    assert (store.usage.files, store.usage.bytes) == (3, 3 * FILE)

@@ -4,6 +4,7 @@ FUSE mount in production, a local directory by default), shared by every daemon 
 Writes publish atomically (temporary name, optional fsync, rename), so concurrent writers of
 one block and readers never see a torn file. I/O runs on a bounded thread pool; reads of a
 chain go out in growing batches (prefetching the blocks after the first) and stop at a miss.
+A read that has not returned by its deadline (a hung network file system) is a miss too.
 """
 
 from __future__ import annotations
@@ -12,18 +13,21 @@ import asyncio
 import contextlib
 import errno
 import os
+import stat
 import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 import torch
 
-from daemon.kv.store_format import VERSION, BadBlockFile, encode_header, verify
+from daemon.kv.io_pool import IoPool
+from daemon.kv.store_format import HEADER_BYTES, VERSION, BadBlockFile, encode_header, verify
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +44,19 @@ class StoreCounters:
     bytes_written: int = 0
     already_stored: int = 0  # another writer had published the block first
     dropped_writes: int = 0  # the write queue was full or writes are paused after an error
+    failed_writes: int = 0  # the file system refused a write (full, read-only, ...)
+    failed_reads: int = 0  # an I/O error other than a missing file
+    read_timeouts: int = 0  # reads past their deadline (counted as misses)
     bad_files: int = 0
+
+
+@dataclass
+class StoreUsage:
+    """What the store holds: counted by each sweep, kept current by this daemon's writes and
+    removals in between (other daemons' show at the next sweep)."""
+
+    files: int = 0
+    bytes: int = 0
 
 
 class BlockStore:
@@ -56,14 +72,18 @@ class BlockStore:
         max_pending_writes: int = 1024,
         touch_interval_s: float = 3600.0,
         retry_writes_after_s: float = 60.0,
+        read_timeout_s: float = 10.0,
+        flush_timeout_s: float = 60.0,
     ) -> None:
         self.dir = Path(root) / f"v{VERSION}"
         self.fingerprint, self.block_bytes = fingerprint, block_bytes
         self.fsync = fsync
         self.max_prefetch, self.max_pending_writes = max_prefetch, max_pending_writes
         self.touch_interval_s, self.retry_writes_after_s = touch_interval_s, retry_writes_after_s
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore")
+        self.read_timeout_s, self.flush_timeout_s = read_timeout_s, flush_timeout_s
+        self.pool = IoPool(io_threads, "kvstore")
         self.counters = StoreCounters()
+        self.usage: StoreUsage | None = None  # unknown until the first sweep
         self._pending: set[Future[bool]] = set()
         self._reading: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -83,23 +103,31 @@ class BlockStore:
     def read(self, key: bytes) -> torch.Tensor | None:
         """The block's payload (uint8, CPU), or None: missing, unreadable or untrustworthy."""
         path = self.path(key)
+        size = HEADER_BYTES + self.block_bytes
         with self._mark_reading(str(path)):
             try:
-                with open(path, "rb", buffering=0) as f:
-                    stat = os.fstat(f.fileno())
-                    raw = bytearray(stat.st_size)
+                with open_regular(path) as f:
+                    st = os.fstat(f.fileno())
+                    if st.st_size != size:  # checked before reading: it may be huge
+                        self._remove_bad(path, st.st_ino, f"{st.st_size} bytes, expected {size}")
+                        return None
+                    raw = bytearray(size)
                     n = f.readinto(raw)
             except FileNotFoundError:
                 return None
+            except NotRegularFile as e:
+                self._remove_bad(path, e.inode, "not a regular file")
+                return None
             except OSError as e:
+                self._count("failed_reads")
                 self._log_once("kv_store_read_failed", e)
                 return None
             try:
                 payload = verify(memoryview(raw)[:n], self.fingerprint, key, self.block_bytes)
             except BadBlockFile as e:
-                self._remove_bad(path, stat.st_ino, str(e))
+                self._remove_bad(path, st.st_ino, str(e))
                 return None
-        if time.time() - stat.st_mtime > self.touch_interval_s:
+        if time.time() - st.st_mtime > self.touch_interval_s:
             with contextlib.suppress(OSError):
                 os.utime(path)  # the file's mtime is its last use, for retention
         with self._lock:
@@ -129,10 +157,32 @@ class BlockStore:
         with self._lock:
             self.counters.writes += 1
             self.counters.bytes_written += data.nbytes
-            if self._writes_paused_until:
-                self._writes_paused_until = 0.0
-                log.info("kv_store_writes_resumed", dir=str(self.dir))
+            if self.usage is not None:
+                self.usage.files += 1
+                self.usage.bytes += len(header) + data.nbytes
+        self.resume_writes()
         return True
+
+    def resume_writes(self) -> None:
+        """Writes go on now (a write went through, or a sweep freed space); a new failure is
+        logged again."""
+        with self._lock:
+            if not self._writes_paused_until:
+                return
+            self._writes_paused_until = 0.0
+            self._logged = {e for e in self._logged if not e.startswith("kv_store_write_failed")}
+        log.info("kv_store_writes_resumed", dir=str(self.dir))
+
+    def set_usage(self, files: int, nbytes: int) -> None:
+        with self._lock:
+            self.usage = StoreUsage(files, nbytes)
+
+    def removed(self, nbytes: int) -> None:
+        """A file of the store was deleted (by the sweeper or a bad read)."""
+        with self._lock:
+            if self.usage is not None:
+                self.usage.files = max(0, self.usage.files - 1)
+                self.usage.bytes = max(0, self.usage.bytes - nbytes)
 
     def _write_file(self, path: Path, header: bytes, data: memoryview) -> None:
         """One open and one writev (the fan-out directories are made on first need)."""
@@ -164,17 +214,27 @@ class BlockStore:
     # ---- event loop ------------------------------------------------------------------------
 
     async def load_chain(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """Payloads of the leading blocks of `keys` found in the store, in order."""
+        """Payloads of the leading blocks of `keys` found in the store, in order; the chain
+        ends at the first miss, or at what has not come back within `read_timeout_s`."""
         loop = asyncio.get_running_loop()
         found: list[torch.Tensor] = []
         batch = 2
+        deadline = loop.time() + self.read_timeout_s
         while len(found) < len(keys):
             start = len(found)
             wanted = keys[start : start + batch]
             self.counters.lookups += len(wanted)
-            results = await asyncio.gather(
-                *(loop.run_in_executor(self.pool, self.read, key) for key in wanted)
-            )
+            reads = [loop.run_in_executor(self.pool, self.read, key) for key in wanted]
+            done, late = await asyncio.wait(reads, timeout=max(0.0, deadline - loop.time()))
+            for future in late:
+                future.cancel()  # one not started yet never runs; a running one is left behind
+            if late:
+                self.counters.read_timeouts += len(late)
+                self._log_once(
+                    "kv_store_read_timed_out",
+                    TimeoutError(f"no answer within {self.read_timeout_s} s"),
+                )
+            results = [f.result() if f in done else None for f in reads]
             for payload in results:
                 if payload is None:
                     return found
@@ -194,13 +254,22 @@ class BlockStore:
         self.pool.submit(self.touch, keys)
 
     async def flush(self) -> None:
-        """Wait for every write submitted so far."""
+        """Wait for every write submitted so far, `flush_timeout_s` at most."""
         pending = [asyncio.wrap_future(f) for f in list(self._pending)]
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=self.flush_timeout_s)
+        if late:
+            log.warning(
+                "kv_store_flush_timed_out", dir=str(self.dir), unwritten=len(late),
+                timeout_s=self.flush_timeout_s,
+            )  # fmt: skip
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        """Stops the I/O threads; one stuck in the file system is left behind (and logged)."""
+        stuck = self.pool.shutdown(wait=True, cancel_futures=True, timeout=self.read_timeout_s)
+        if stuck:
+            log.warning("kv_store_io_stuck", dir=str(self.dir), threads=len(stuck))
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -224,19 +293,41 @@ class BlockStore:
         self._count("bad_files")
         log.warning("kv_store_bad_block", path=str(path), reason=reason)
         with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == inode:  # not a good copy another writer just published
+            st = os.lstat(path)
+            if st.st_ino == inode:  # not a good copy another writer just published
                 os.unlink(path)
+                self.removed(st.st_size if stat.S_ISREG(st.st_mode) else 0)
 
     def _write_failed(self, e: OSError) -> None:
         """A full disk or an unwritable directory: pause writes a while, say so once."""
         with self._lock:
+            self.counters.failed_writes += 1
             self._writes_paused_until = time.monotonic() + self.retry_writes_after_s
         kind = errno.errorcode.get(e.errno or 0, "OSError")
         self._log_once(f"kv_store_write_failed:{kind}", e, paused_s=self.retry_writes_after_s)
 
-    def _log_once(self, event: str, e: OSError, **extra: object) -> None:
+    def _log_once(self, event: str, e: Exception, **extra: object) -> None:
         with self._lock:
             if event in self._logged:
                 return
             self._logged.add(event)
         log.warning(event.split(":")[0], dir=str(self.dir), error=str(e), **extra)
+
+
+class NotRegularFile(OSError):
+    """A FIFO, device or directory where a block file should be."""
+
+    def __init__(self, path: str | Path, inode: int) -> None:
+        super().__init__(errno.EINVAL, "not a regular file", str(path))
+        self.inode = inode
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """`path` opened for reading, unbuffered, or NotRegularFile: opened non-blocking, so that a
+    FIFO put there does not wait for a writer that never comes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(path, st.st_ino)
+    return os.fdopen(fd, "rb", buffering=0)

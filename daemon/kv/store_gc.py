@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from dataclasses import dataclass
 
 import structlog
 
-from daemon.kv.block_store import SUFFIX, TMP_MARK, BlockStore
+from daemon.kv.block_store import SUFFIX, TMP_MARK, BlockStore, open_regular
 from daemon.kv.store_format import HEADER_BYTES, BadBlockFile, decode_header
 from daemon.kv.traffic import TrafficClasses
 
@@ -82,6 +83,9 @@ class StoreSweeper:
             keep = survivors
         result.files, result.bytes = len(keep), sum(b.size for b in keep)
         self.last = result
+        self.store.set_usage(result.files, result.bytes)
+        if result.freed_bytes:
+            self.store.resume_writes()  # a write that failed for lack of space may fit now
         if result.expired or result.evicted:
             log.info("kv_store_swept", **vars(result))
         return result
@@ -93,7 +97,7 @@ class StoreSweeper:
             for name in names:
                 path = os.path.join(dirpath, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                 except OSError:
                     continue  # removed meanwhile
                 if TMP_MARK in name:
@@ -103,7 +107,9 @@ class StoreSweeper:
                     continue
                 if not name.endswith(SUFFIX):
                     continue
-                cls = self._traffic_class(path, st.st_ino)
+                # a FIFO, link or directory in the store is garbage: it expires now
+                regular = stat.S_ISREG(st.st_mode)
+                cls = self._traffic_class(path, st.st_ino) if regular else None
                 seen.add(st.st_ino)
                 expires = st.st_mtime + (self.classes.retention(cls) if cls else 0.0)
                 blocks.append(_Block(expires, path, st.st_ino, st.st_mtime_ns, st.st_size))
@@ -115,7 +121,7 @@ class StoreSweeper:
         cls = self._class_of.get(inode)
         if cls is None:
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:
                     cls = decode_header(f.read(HEADER_BYTES)).traffic_class
             except (OSError, BadBlockFile):
                 return None
@@ -127,7 +133,7 @@ class StoreSweeper:
             result.skipped_in_use += 1
             return False
         try:
-            st = os.stat(block.path)
+            st = os.lstat(block.path)
             if st.st_ino != block.inode or st.st_mtime_ns != block.mtime_ns:
                 return False  # used or replaced since the scan
             os.unlink(block.path)

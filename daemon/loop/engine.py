@@ -296,8 +296,10 @@ class Engine:
         )
 
     def _store_stats(self) -> dict[str, object]:
-        last = self.sweeper.last if self.sweeper is not None else None
-        return {} if last is None else {"kv_store_files": last.files, "kv_store_bytes": last.bytes}
+        usage = self.sweeper.store.usage if self.sweeper is not None else None
+        return (
+            {} if usage is None else {"kv_store_files": usage.files, "kv_store_bytes": usage.bytes}
+        )
 
     # ---- the loop -----------------------------------------------------------------------
 

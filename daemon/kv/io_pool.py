@@ -1,0 +1,65 @@
+"""A thread pool for file I/O that may never return (a hung network file system): its threads
+are daemon threads, so neither shutdown nor the interpreter's exit waits on a stuck one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+_Job = tuple[Future, Callable[..., Any], tuple, dict] | None
+
+
+class IoPool(Executor):
+    def __init__(self, threads: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if self._closed:
+            raise RuntimeError("the I/O pool is shut down")
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(
+        self, wait: bool = True, *, cancel_futures: bool = False, timeout: float | None = None
+    ) -> list[str]:
+        """Stops the threads once the queued jobs are done (`cancel_futures`: dropped instead),
+        waiting up to `timeout` s when `wait`; returns the names of those still busy then."""
+        self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        for _ in self._threads:
+            self._jobs.put(None)
+        if not wait:
+            return [t.name for t in self._threads if t.is_alive()]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                future.set_exception(e)
