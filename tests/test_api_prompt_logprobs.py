@@ -244,3 +244,16 @@ def test_bad_prompt_logprobs(api_server, extra) -> None:
     status, out = send(api_server, body)
     assert status == 400, out
     assert out["error"]["param"] == next(iter(extra))
+
+
+def test_v4_prompt_logprobs_agree_with_sampled_logprobs(v4_api_server) -> None:
+    """DeepSeek-V4: a prompt token's logprob equals the logprob it had when it was sampled."""
+    prompt = list(range(100, 140))
+    base = {"model": v4_api_server.model, "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    sampled = post(v4_api_server, base | {"prompt": prompt, "return_token_ids": True})
+    (choice,) = sampled["choices"]
+    (token,) = choice["token_ids"]
+    echoed = post(v4_api_server, base | {"prompt": prompt + [token], "echo": True})
+    lps = echoed["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lps) == len(prompt) + 2 and lps[0] is None
+    assert abs(lps[len(prompt)] - choice["logprobs"]["token_logprobs"][0]) < 1e-3
