@@ -137,7 +137,7 @@ def _prefix_cache(
         swa=swa,
         swa_group=names.index("swa"),
         swa_bytes=cache.swa_snapshot_bytes,
-        window=cache.cfg.sliding_window,
+        replay_tokens=cache.replay_tokens,
         policy=cfg.swa_miss_policy,
     )
 

@@ -189,10 +189,20 @@ class _EngineCollector:
             ("device", "prefix_cached_bytes"),
             ("host", "host_cache_bytes"),
             ("store", "kv_store_bytes"),
+            ("swa", "swa_cache_bytes"),  # DeepSeek-V4 sliding-window snapshots, host memory
         ):
             if key in stats:
                 tiers.add_metric([tier], stats[key])
         yield tiers
+        if "swa_hits" in stats:
+            swa = CounterMetricFamily(
+                "deepinfer:swa_cache_lookups",
+                "DeepSeek-V4 sliding-window snapshot lookups at admission, by result.",
+                labels=["result"],
+            )
+            swa.add_metric(["hit"], stats["swa_hits"])
+            swa.add_metric(["miss"], stats["swa_misses"])
+            yield swa
         if "kv_store_writes" in stats:
             yield from _store(stats)
 

@@ -1,8 +1,10 @@
 """DeepSeek-V4 prefix reuse inside one node: exact resume from cached block state plus the
-stored sliding-window state, and the two SWA-miss policies (bounded replay, exact)."""
+stored sliding-window state (next turn, repeated prompt, shared prefix), and the two
+SWA-miss policies (replay of the window's reach, exact)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,7 +83,7 @@ async def test_swa_miss_exact_policy_recomputes(checkpoint: Path) -> None:
     assert [c for _, c in got] == [0, 0, 0]
 
 
-async def test_swa_miss_bounded_replay(checkpoint: Path) -> None:
+async def test_swa_miss_replay_is_exact(checkpoint: Path) -> None:
     cold = await engine_for(checkpoint, prefix_caching=False)
     replay = await engine_for(checkpoint, swa_miss_policy="replay")
     try:
@@ -90,10 +92,126 @@ async def test_swa_miss_bounded_replay(checkpoint: Path) -> None:
     finally:
         await cold.stop()
         await replay.stop()
-    # the window (8 tokens) before each boundary is recomputed, the blocks before it reused
-    assert [c for _, c in got] == [0, 56 - 8, 88 - 8]
-    agree = [sum(x == y for x, y in zip(a, b)) / len(a) for (a, _), (b, _) in zip(got, expected)]
-    print("greedy agreement per turn", agree)
+    # 3 layers x (8 - 1) = 21 tokens before each boundary recomputed, the blocks before reused
+    assert [c for _, c in got] == [0, 56 - 21, 88 - 21]
+    assert [a for a, _ in got] == [a for a, _ in expected]
+
+
+# (sliding_window, CSA rate, HCA rate): block = lcm of the rates; the issue's, a window past a
+# block, a window of 3
+CONFIGS = [(8, 4, 16), (8, 4, 4), (3, 2, 4)]
+SHORT = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+_cold: dict[tuple[Path, tuple[int, ...]], list[int]] = {}
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "w{}-r{}-{}".format(*c))
+def small(request, tmp_path_factory) -> tuple[Path, int]:
+    window, csa, hca = request.param
+    rates = {"compressed_sparse_attention": csa, "heavily_compressed_attention": hca}
+    path = make_v4_checkpoint(
+        tmp_path_factory.mktemp("v4-small"), sliding_window=window, compress_rates=rates
+    )
+    return path, math.lcm(csa, hca)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def answers(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    out = []
+    for prompt in prompts:
+        tokens, cached = [], 0
+        async for o in engine.generate(prompt, SHORT):
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+        out.append((tokens, cached))
+    return out
+
+
+async def cold_answers(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy answer computed from scratch (kept for the module's tests)."""
+    todo = [p for p in prompts if (path, tuple(p)) not in _cold]
+    if todo:
+        cold = await engine_for(path, prefix_caching=False)
+        try:
+            for p, (a, _) in zip(todo, await answers(cold, todo)):
+                _cold[path, tuple(p)] = a
+        finally:
+            await cold.stop()
+    return [_cold[path, tuple(p)] for p in prompts]
+
+
+@pytest.mark.parametrize("chunk", [2048, 16])
+async def test_repeated_prompt_hits_the_swa_tier(small, chunk: int) -> None:
+    """Issue 16 A: a 70-token prompt sent three times gave another output from the second time
+    on (cached 56, swa_hits 0): the only snapshot was where the first request left."""
+    path, block = small
+    prompt = tokens(3, 70)
+    (expected,) = await cold_answers(path, [prompt])
+    warm = await engine_for(path, max_num_batched_tokens=chunk)
+    try:
+        got = await answers(warm, [prompt] * 3)
+    finally:
+        await warm.stop()
+    assert [a for a, _ in got] == [expected] * 3
+    assert [c for _, c in got] == [0] + [69 // block * block] * 2
+    swa = warm.scheduler.prefix.swa
+    assert (swa.hits, swa.misses) == (2, 0)
+
+
+@pytest.mark.parametrize("policy", ["replay", "exact"])
+async def test_shared_prefix_hits_after_one_miss(small, policy: str) -> None:
+    """Requests on one block-aligned prefix (a system prompt and tools) with tails of several
+    blocks: the second misses the SWA state there (and is still exact), later ones hit."""
+    path, block = small
+    shared = tokens(5, 48 // block * block)
+    prompts = [shared + tokens(10 + i, 3 * block + 5) for i in range(4)]
+    expected = await cold_answers(path, prompts)
+    warm = await engine_for(path, swa_miss_policy=policy)
+    try:
+        got = await answers(warm, prompts)
+    finally:
+        await warm.stop()
+    assert [a for a, _ in got] == expected
+    replayed = min(len(shared), warm.scheduler.prefix.replay_tokens)
+    second = len(shared) - replayed if policy == "replay" else 0
+    assert [c for _, c in got] == [0, second, len(shared), len(shared)]
+    swa = warm.scheduler.prefix.swa
+    assert (swa.hits, swa.misses) == (2, 1)
+
+
+async def test_prefix_ending_at_a_prompts_last_block_hits(small) -> None:
+    """A prefix that was an earlier prompt's full blocks (its tail shorter than a block): no miss."""
+    path, block = small
+    shared = tokens(6, 40 // block * block)
+    prompts = [shared + tokens(20, block - 1), shared + tokens(21, 2 * block + 3)]
+    expected = await cold_answers(path, prompts)
+    warm = await engine_for(path)
+    try:
+        got = await answers(warm, prompts)
+    finally:
+        await warm.stop()
+    assert [a for a, _ in got] == expected
+    assert [c for _, c in got] == [0, len(shared)]
+    assert warm.scheduler.prefix.swa.hits == 1
+
+
+async def test_snapshot_memory_is_bounded_and_reported(checkpoint: Path) -> None:
+    """The snapshots stay within --swa-cache-memory-gb (least recently used out), and the
+    engine's stats (/health, /metrics) report their bytes and lookups."""
+    probe = await engine_for(checkpoint)
+    one = probe.scheduler.prefix.swa_bytes
+    await probe.stop()
+    engine = await engine_for(checkpoint, swa_cache_memory_gb=3.5 * one / 2**30)
+    try:
+        await answers(engine, [tokens(30 + i, 40) for i in range(4)])
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert stats["swa_cache_bytes"] == stats["swa_cache_snapshots"] * one <= 3 * one
+    assert stats["swa_cache_peak_bytes"] <= 3 * one and stats["swa_cache_evictions"] > 0
+    assert {"swa_hits", "swa_misses", "swa_hit_rate"} <= stats.keys()
 
 
 class TestBoundedReplayDivergence:
@@ -207,3 +325,31 @@ class TestBoundedReplayDivergence:
         alone, together = run(False), run(True)
         for a, t in zip(alone, together):
             assert (a - t).abs().max() <= 1e-4
+
+
+async def test_health_and_metrics_show_the_swa_tier(v4_api_server) -> None:
+    """A repeated chat hits the SWA tier; /health and /metrics show its bytes and lookups
+    where the other tiers are."""
+    import aiohttp
+    from openai import AsyncOpenAI
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import V4_SERVED_NAME
+
+    oai = AsyncOpenAI(base_url=v4_api_server.base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "the swa tier, asked twice. " * 12}]
+    for _ in range(2):
+        await oai.chat.completions.create(model=V4_SERVED_NAME, messages=messages, max_tokens=2)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(v4_api_server.url + "/health") as r:
+            health = await r.json()
+        async with http.get(v4_api_server.url + "/metrics") as r:
+            text = await r.text()
+    assert health["swa_hits"] >= 1 and health["swa_cache_bytes"] > 0
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("deepinfer:kv_cache_tier_bytes", (("tier", "swa"),))] > 0
+    assert samples[("deepinfer:swa_cache_lookups_total", (("result", "hit"),))] >= 1

@@ -2,9 +2,13 @@
 on the device, in host memory or (fetched before admission) in the block store; and for
 models with sliding-window state (DeepSeek-V4) that state too.
 
-On an SWA-state miss the policy decides:
-  replay  recompute only the last `sliding_window` tokens before the boundary, their
-          window limited to the replayed range (bounded cost, a small measured divergence)
+Sliding-window snapshots are taken at each prompt's last full block (what a repeat, or a
+request sharing those blocks, resumes from), where a request leaves (the next turn), and at
+a boundary where a lookup missed (a prefix found shared: later requests hit there). On an
+SWA-state miss the policy decides:
+  replay  recompute the last layers x (W-1) tokens before the boundary, their window limited
+          to the replayed range: each layer's window reaches W-1 tokens further back, so the
+          state it leaves is exact, at a cost that does not grow with the context
   exact   resume from the last boundary whose SWA state is stored, or from scratch
 
 Blocks move between tiers as ops the device worker runs before the step's forward, in
@@ -91,7 +95,7 @@ class PrefixCache:
         swa: SWACache | None = None,
         swa_group: int = -1,
         swa_bytes: int = 0,
-        window: int = 0,
+        replay_tokens: int = 0,
         policy: str = "replay",
     ) -> None:
         if policy not in POLICIES:
@@ -101,7 +105,7 @@ class PrefixCache:
         self.block_bytes, self.host, self.store = block_bytes, host, store
         self.classes = classes or TrafficClasses()
         self.swa, self.swa_group, self.swa_bytes = swa, swa_group, swa_bytes
-        self.window, self.policy = window, policy
+        self.replay_tokens, self.policy = replay_tokens, policy
         self.ops = CacheOps()
         self._loading: set[bytes] = set()  # keys with a load queued in ops
         self._touched: OrderedDict[bytes, float] = OrderedDict()
@@ -116,12 +120,12 @@ class PrefixCache:
         return req.block_keys
 
     def _usable_keys(self, req: Request) -> list[bytes]:
+        if req.params.prompt_logprobs is not None:
+            return []  # each prompt position's logits are needed: no cached prefix (as vLLM)
         return self.keys(req)[: (req.num_known_tokens - 1) // self.block]  # a token to compute
 
     def _in_memory(self, key: bytes) -> bool:
         return key in self.kv.cached or (self.host is not None and key in self.host)
-        if req.params.prompt_logprobs is not None:
-            return []  # each prompt position's logits are needed: no cached prefix (as vLLM)
 
     def _leading(self, req: Request, keys: list[bytes]) -> int:
         """How many leading keys some tier holds (memory, or read from the store for `req`)."""
@@ -169,13 +173,15 @@ class PrefixCache:
             missed = 1 if n < len(keys) else 0
             req.cache_lookups["device"] = n + missed
             req.cache_lookups["host"] = (n - on_device + missed) if self.host is not None else 0
-        snapshot = None
+        snapshot, missed_at = None, 0
         if self.swa is not None and n:
             snapshot = self.swa.get(keys[n - 1])
-            if snapshot is None and self.policy == "exact":
-                while n and snapshot is None:
-                    n -= 1
-                    snapshot = self.swa.get(keys[n - 1]) if n else None
+            if snapshot is None:
+                missed_at = n * self.block  # snapshot it on the way: the next request hits
+                if self.policy == "exact":
+                    while n and snapshot is None:
+                        n -= 1
+                        snapshot = self.swa.peek(keys[n - 1]) if n else None
         planned = n
         hits = self._take(req, keys[:n])
         n = sum(hits.values())
@@ -190,18 +196,34 @@ class PrefixCache:
             for tier, blocks in hits.items():
                 req.cached_tokens_by_tier[tier] = min(blocks * self.block, left)
                 left -= req.cached_tokens_by_tier[tier]
-        if n == 0:
-            return None
         position = n * self.block
-        req.num_computed = req.num_cached_tokens = position
-        req.num_registered = n
+        if n:
+            req.num_computed = req.num_cached_tokens = position
+            req.num_registered = n
         if self.swa is not None:
-            req.pending_restore = RestoreOp(position, snapshot)
-            if snapshot is None:  # bounded replay of the last window before the boundary
+            if n:
+                req.pending_restore = RestoreOp(position, snapshot)
+            if n and snapshot is None:  # replay the window's reach before the boundary
                 req.replay_until = position
-                req.replay_from = req.num_computed = position - min(self.window, position)
+                req.replay_from = req.num_computed = position - min(self.replay_tokens, position)
                 req.num_cached_tokens = req.num_computed
+            req.swa_marks = self._marks(req, position, missed_at)
         return None
+
+    def _marks(self, req: Request, resume: int, missed_at: int) -> list[int]:
+        """Boundaries to snapshot the sliding window at, from `resume` (where a replay ends)
+        on: the known tokens' last full block and the one before it (a repeat resumes there,
+        as it keeps a token to compute) and the boundary whose lookup missed."""
+        known = req.num_known_tokens
+        ends = {known // self.block * self.block, (known - 1) // self.block * self.block}
+        marks = ends | {missed_at}
+        return sorted(m for m in marks if m > req.num_computed and m >= resume)
+
+    def chunk_limit(self, req: Request, n: int) -> int:
+        """At most `n` tokens for the request's next chunk, ending where the SWA ring still
+        holds the window before its next snapshot boundary (one block past it)."""
+        after = [m for m in req.swa_marks if m > req.num_computed]
+        return min(n, after[0] + self.block - req.num_computed) if after else n
 
     def _take(self, req: Request, keys: list[bytes]) -> Counter[str]:
         """Put the blocks of `keys` at the head of the request's tables, loading those that are
@@ -246,7 +268,10 @@ class PrefixCache:
     # ---- while running ------------------------------------------------------------------------
 
     def register(self, req: Request) -> None:
-        """Make the request's full, computed blocks findable, and persist them per its class."""
+        """Make the request's full, computed blocks findable, and persist them per its class;
+        snapshot the sliding window at the boundaries it has reached."""
+        if req.swa_marks:
+            self._snapshot(req)
         full = min(req.num_computed, req.num_known_tokens) // self.block
         if full <= req.num_registered:
             return
@@ -282,17 +307,30 @@ class PrefixCache:
         if req.request_id not in self.kv.tables:
             return
         self.register(req)
+        self._snapshot(req, leaving=True)
+
+    def _snapshot(self, req: Request, leaving: bool = False) -> None:
+        """Queue SWA saves at the boundaries reached whose window the ring still holds: the
+        request's marks, and where it leaves its last boundary (the next turn resumes there).
+        The ring keeps W-1+B positions, so a boundary up to one block behind is there."""
         if self.swa is None or req.num_computed < req.replay_until:
-            return
-        position = req.num_computed // self.block * self.block
-        if position == 0:
-            return
-        snapshot = self.swa.reserve(
-            self.keys(req)[position // self.block - 1], position, self.swa_bytes
-        )
-        if snapshot is not None:
-            swa_block = self.kv.tables[req.request_id][self.swa_group][0]
-            self.ops.swa_saves.append(SWASave(snapshot, swa_block, position))
+            return  # mid-replay the ring is not the sequence's yet
+        end = req.num_computed
+        due = {m for m in req.swa_marks if m <= end}
+        req.swa_marks = [m for m in req.swa_marks if m > end]
+        if leaving:
+            due.add(min(end, req.num_known_tokens) // self.block * self.block)
+        keys = self.keys(req)
+        for position in sorted(due):
+            index = position // self.block - 1
+            if position <= 0 or position < end - self.block or index >= len(keys):
+                continue
+            if self.swa.peek(keys[index]) is not None:
+                continue  # the same tokens give the same window: keep the stored one
+            snapshot = self.swa.reserve(keys[index], position, self.swa_bytes)
+            if snapshot is not None:
+                swa_block = self.kv.tables[req.request_id][self.swa_group][0]
+                self.ops.swa_saves.append(SWASave(snapshot, swa_block, position))
 
     def _account(self, req: Request) -> None:
         s = self.stats
@@ -337,5 +375,5 @@ class PrefixCache:
             }
             out |= {f"kv_store_{k}": v for k, v in vars(c).items()}
         if self.swa is not None:
-            out |= {"swa_hits": self.swa.hits, "swa_misses": self.swa.misses}
+            out |= self.swa.stats()
         return out

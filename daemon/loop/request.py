@@ -141,9 +141,10 @@ class Request:
     cache_salt: bytes = b""
     block_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already findable in the prefix cache
-    replay_from: int = 0  # a bounded replay recomputes [replay_from, replay_until) with its
+    replay_from: int = 0  # a replay recomputes [replay_from, replay_until) with its
     replay_until: int = 0  # sliding window limited to that range
     pending_restore: Any = None  # a prefix.RestoreOp for the request's next first step
+    swa_marks: list[int] = field(default_factory=list)  # boundaries to snapshot the SWA ring at
     traffic_class: str = "chat"  # block-store retention class
     loaded: dict[bytes, Any] = field(default_factory=dict)  # store payloads until admission
     store_checked: int = 0  # leading usable blocks last known to be in memory or the store

@@ -147,7 +147,8 @@ class Scheduler:
             return 0  # its last token is asked for; only the output stage is left
         if req.num_computed < req.replay_until:
             return req.replay_until - req.num_computed  # a replay chunk never runs past its end
-        return req.seq_len - req.num_computed
+        n = req.seq_len - req.num_computed
+        return self.prefix.chunk_limit(req, n) if self.prefix is not None else n
 
     def _commit(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed

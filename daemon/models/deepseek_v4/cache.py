@@ -686,6 +686,13 @@ class V4Cache:
     # ---- prefix reuse ----------------------------------------------------------------------
 
     @property
+    def replay_tokens(self) -> int:
+        """Tokens a replay recomputes to rebuild the window exactly: layer k's keys before a
+        boundary need layer k-1's outputs over W-1 more positions, down to the first layer's,
+        which need only their tokens."""
+        return self.cfg.num_layers * (self.cfg.sliding_window - 1)
+
+    @property
     def swa_snapshot_bytes(self) -> int:
         t = self.swa[0]
         return self.cfg.num_layers * (self.cfg.sliding_window - 1) * t.shape[-1] * t.element_size()
