@@ -10,18 +10,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import deepseek_recipe as dr
 import structlog
 import xgrammar as xgr
 
 from daemon.api.errors import bad_request
+from daemon.api.json_schema import ebnf, unenforced
 from daemon.api.tool_grammar import MARKER, tool_call_tag
 from daemon.loop.constraint import GrammarConstraint
 from daemon.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
 
-TOOL_KINDS = ("tool_call", "tool_call_required")
+# tool_call: text, then optionally a tool-calls block; tool_call_required: the prompt opened
+# the block, calls follow; tool_call_any: the output opens the block at once (a call is due)
+TOOL_KINDS = ("tool_call", "tool_call_required", "tool_call_any")
 ENFORCED_KINDS = ("json", "regex", *TOOL_KINDS)
+_ONE = ":one"  # kind suffix: at most one tool call
+_JSON_OBJECT = {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,27 @@ class Constraints:
 
     def enforces(self, kind: str) -> bool:
         """Tool calls need the DSML marker token (DeepSeek tokenizers)."""
-        return kind in ENFORCED_KINDS and (kind not in TOOL_KINDS or self.marker_id is not None)
+        base = kind.removesuffix(_ONE)
+        return base in ENFORCED_KINDS and (base not in TOOL_KINDS or self.marker_id is not None)
+
+    async def for_recipe(
+        self, oc: dr.OutputConstraint, options: OutputOptions, trigger: int | None
+    ) -> Grammar | None:
+        """The recipe's OutputConstraint as a grammar, with what the client asked beyond it;
+        `trigger`: the end-of-thinking token in thinking mode."""
+        kind, source = options.kind(oc.kind), oc.schema
+        if kind.startswith("tool_call_any") and trigger is not None:
+            raise bad_request("Thinking mode does not support this tool_choice")
+        if oc.kind == "json" and options.schema is not None:
+            source = options.schema
+        if not self.enforces(kind):
+            return None
+        return Grammar(await self.compile(kind, source), trigger)
 
     async def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
-        """kind: json (source: a JSON schema, or "" for any JSON) | regex | tool_call or
-        tool_call_required (source: the recipe's tool list). 400 if invalid."""
+        """kind: json (source: a JSON schema, or "" for any JSON object) | regex | one of
+        TOOL_KINDS, with ":one" for at most one call (source: the recipe's tool list).
+        400 if invalid."""
         key = (kind, source)
         fut = self._cache.get(key)
         if fut is None:
@@ -74,14 +96,17 @@ class Constraints:
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         if kind == "json":
-            if not source:
-                return self.compiler.compile_builtin_json_grammar()
-            return self.compiler.compile_json_schema(source, any_whitespace=False)
+            return self.compiler.compile_grammar(ebnf(source or _JSON_OBJECT))
         if kind == "regex":
             return self.compiler.compile_regex(source)
-        if kind in TOOL_KINDS and self.marker_id is not None:
+        base, one = kind.removesuffix(_ONE), kind.endswith(_ONE)
+        if base in TOOL_KINDS and self.marker_id is not None:
             tag = tool_call_tag(
-                source, required=kind == "tool_call_required", marker_id=self.marker_id
+                source,
+                required=base != "tool_call",
+                opened=base == "tool_call_required",
+                one=one,
+                marker_id=self.marker_id,
             )
             return self.compiler.compile_structural_tag(json.dumps(tag))
         if kind == "structural_tag":  # source: a structural tag's JSON (dense tool calls)
@@ -106,6 +131,8 @@ class Constraints:
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise bad_request("'response_format.json_schema.schema' must be an object")
+            if spec.get("strict") is True:
+                check_strict(schema, "response_format")
             return Grammar(await self.compile("json", json.dumps(schema)))
         if kind == "regex" and isinstance(fmt.get("regex"), str):
             return Grammar(await self.compile("regex", fmt["regex"]))
@@ -113,6 +140,75 @@ class Constraints:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a DeepSeek-path body asks of the output that the recipe's OutputConstraint leaves
+    out: the client's own JSON schema (the recipe's strict parse drops keywords it does not
+    know, maxLength among them), Anthropic's tool_choice any (a call is due), and at most one
+    tool call (parallel_tool_calls false, disable_parallel_tool_use)."""
+
+    schema: str | None = None
+    any_call: bool = False
+    one_call: bool = False
+
+    @classmethod
+    def read(cls, protocol: str, body: dict[str, Any]) -> tuple[OutputOptions, dict[str, Any]]:
+        """The options of a chat / responses / messages body, and the body for the recipe:
+        without a json_schema's `strict`, which is checked here against what the grammar
+        enforces (400 naming a keyword it does not) rather than by the recipe's subset."""
+        choice = body.get("tool_choice")
+        choice = choice if isinstance(choice, dict) else {}
+        if protocol == "messages":
+            any_call = choice.get("type") == "any"
+            one_call = choice.get("disable_parallel_tool_use") is True
+        else:
+            any_call, one_call = False, body.get("parallel_tool_calls") is False
+        schema, body = _client_schema(protocol, body)
+        return cls(schema, any_call, one_call), body
+
+    def kind(self, recipe_kind: str) -> str:
+        kind = recipe_kind
+        if kind == "tool_call" and self.any_call:
+            kind = "tool_call_any"
+        if kind in TOOL_KINDS and self.one_call:
+            kind += _ONE
+        return kind
+
+
+def _client_schema(protocol: str, body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The json_schema format's schema (as JSON) and the body without its `strict`."""
+    if protocol == "chat":
+        fmt, param = body.get("response_format"), "response_format"
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) else None
+    elif protocol == "responses":
+        text, param = body.get("text"), "text.format"
+        fmt = text.get("format") if isinstance(text, dict) else None
+        spec = fmt
+    else:
+        return None, body
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(spec, dict):
+        return None, body
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        return None, body  # the recipe says what is wrong
+    if spec.get("strict") is True:
+        check_strict(schema, param)
+    loose = {k: v for k, v in spec.items() if k != "strict"}
+    if protocol == "chat":
+        body = body | {"response_format": fmt | {"json_schema": loose}}
+    else:
+        body = body | {"text": body["text"] | {"format": loose}}
+    return json.dumps(schema), body
+
+
+def check_strict(schema: Any, param: str) -> None:
+    """400 naming the first keyword of a strict schema that the grammar would not hold every
+    output to, as OpenAI refuses a strict schema with a keyword it does not support."""
+    found = unenforced(schema)
+    if found is not None:
+        raise bad_request(f"Invalid schema for '{param}': {found.message()}", param)
 
 
 def tokenizer_info(

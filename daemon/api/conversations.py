@@ -15,7 +15,7 @@ from daemon.api.cache_options import cache_options
 from daemon.api.chat_choices import ChunkMerger, merge_responses
 from daemon.api.chat_dense import handle_templated
 from daemon.api.completions_protocol import MAX_N
-from daemon.api.constraints import Grammar
+from daemon.api.constraints import Grammar, OutputOptions
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, sample_jobs, submit_all
 from daemon.api.params import JsonObject, get_bool, get_int, get_object
@@ -58,8 +58,9 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
     if protocol is RESPONSES:  # `store`, and `previous_response_id`'s conversation as the input
         body, turn = Turn.begin(request.app[RESPONSE_STORE], body)
     rid = protocol.id_prefix + uuid.uuid4().hex
-    prepared = await _prepare(state.codec, protocol, body, rid)
-    grammar = await _grammar(state, prepared)
+    options, recipe_body = OutputOptions.read(protocol.name, body)
+    prepared = await _prepare(state.codec, protocol, recipe_body, rid)
+    grammar = await _grammar(state, prepared, options)
     state.check_capacity()
     cache = cache_options(request, body, state.engine)
     include_usage = protocol is CHAT and get_bool(
@@ -164,15 +165,15 @@ async def _stream(
     return writer.response
 
 
-async def _grammar(state: ApiState, prepared: Prepared) -> Grammar | None:
+async def _grammar(state: ApiState, prepared: Prepared, options: OutputOptions) -> Grammar | None:
     """The recipe's OutputConstraint as a grammar, enforced after the thinking block if any."""
     oc = prepared.constraint
-    if oc is None or state.constraints is None or not state.constraints.enforces(oc.kind):
+    if oc is None or state.constraints is None:
         return None
-    compiled = await state.constraints.compile(oc.kind, oc.schema)
     assert state.codec is not None
     thinking = prepared.conversation.conversation.thinking_mode
-    return Grammar(compiled, state.codec.think_end_id if thinking else None)
+    trigger = state.codec.think_end_id if thinking else None
+    return await state.constraints.for_recipe(oc, options, trigger)
 
 
 def _aborted() -> ApiError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import xgrammar as xgr
+from daemon.api.json_schema import ebnf
 
 MARKER = "｜DSML｜"  # an added token; the parser sees markup only where it is that one token
 # Any text. The marker token's text is unreachable for character rules (see tokenizer_info),
@@ -30,22 +30,25 @@ _STRING_LIMITS = frozenset({"minLength", "maxLength"})
 Format = dict[str, Any]
 
 
-def tool_call_tag(source: str, *, required: bool, marker_id: int) -> Format:
-    """A structural tag for the recipe's tool_call / tool_call_required constraint. `source` is
-    its tool list (a JSON array of Chat Completions function tools). Required: the prompt has
-    opened the tool-calls block, so one or more calls and the block's end follow. Otherwise
-    text, optionally followed by one tool-calls block. ValueError for a malformed list."""
+def tool_call_tag(
+    source: str, *, required: bool, marker_id: int, opened: bool = True, one: bool = False
+) -> Format:
+    """A structural tag for a tool-call constraint. `source` is the recipe's tool list (a JSON
+    array of Chat Completions function tools). Required: one or more calls and the block's end
+    follow, in a tool-calls block that the prompt has opened (`opened`) or that the output
+    opens at once. Otherwise text, optionally followed by one tool-calls block. `one`: a
+    single call per block. ValueError for a malformed list."""
     m = _Markup(marker_id)
     invokes = [m.invoke(name, params) for name, params in _tools(source)]
     if not invokes:
         raise ValueError("the tool list is empty")
-    calls = _seq(
-        {"type": "plus", "content": _or(invokes)},
-        m.tag("</", "tool_calls>"),
-    )
-    if required:
+    call = _or(invokes)
+    calls = _seq(call if one else {"type": "plus", "content": call}, m.tag("</", "tool_calls>"))
+    if required and opened:
         return {"type": "structural_tag", "format": calls}
     block = _seq(m.tag("<", "tool_calls>\n"), calls)
+    if required:
+        return {"type": "structural_tag", "format": block}
     text = _grammar(f"{_TEXT}*")
     return {"type": "structural_tag", "format": _seq(text, {"type": "optional", "content": block})}
 
@@ -161,8 +164,7 @@ def _json_value(schema: Any, defs: dict[str, Any]) -> Format:
     as json.dumps writes it."""
     if isinstance(schema, dict) and defs:
         schema = defs | schema
-    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    return {"type": "grammar", "grammar": str(grammar)}
+    return {"type": "grammar", "grammar": ebnf(schema)}
 
 
 def _grammar(body: str) -> Format:
