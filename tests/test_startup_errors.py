@@ -5,6 +5,7 @@ file that cannot be opened on stderr."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from daemon.startup import EXIT_STARTUP_FAILED
-from tests.daemons import ROOT, checkout_env, free_port, serve_command
+from tests.daemons import ROOT, checkout_env, free_port, serve_command, spawn
 
 
 def serve_to_exit(args: list[str], port: int | None = None) -> subprocess.CompletedProcess:
@@ -76,6 +77,71 @@ def test_an_admin_socket_path_that_cannot_be_made(tiny_model_dir: Path, tmp_path
     error, output = failed_start(["--model", str(tiny_model_dir), "--admin-socket", str(path)])
     assert error == f"cannot create the admin socket {path}: File exists ({path.parent})"
     assert "model_loaded" not in output
+
+
+@pytest.mark.parametrize("kind", ["regular file", "directory", "live socket"])
+def test_an_admin_socket_path_taken_by_something_else(
+    tiny_model_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    """Only a stale socket (nobody listening) is replaced; a file, a directory or a socket
+    another process serves stays as it is."""
+    path = tmp_path / "admin.sock"
+    with contextlib.ExitStack() as stack:
+        if kind == "regular file":
+            path.write_text("precious")
+            reason = "it exists and is not a socket"
+        elif kind == "directory":
+            path.mkdir()
+            reason = "it exists and is not a socket"
+        else:
+            live = stack.enter_context(socket.socket(socket.AF_UNIX))
+            live.bind(str(path))
+            live.listen()
+            reason = "another process is listening on it"
+        error, output = failed_start(["--model", str(tiny_model_dir), "--admin-socket", str(path)])
+        assert error == f"cannot create the admin socket {path}: {reason}"
+        assert "model_loaded" not in output
+        assert path.exists()
+    if kind == "regular file":
+        assert path.read_text() == "precious"
+
+
+def test_a_stale_admin_socket_is_replaced(tmp_path: Path) -> None:
+    from daemon.api.admin import bind_admin
+
+    path = tmp_path / "admin.sock"
+    with socket.socket(socket.AF_UNIX) as dead:  # a daemon that crashed: bound, not listening
+        dead.bind(str(path))
+    with bind_admin(str(path)) as sock:
+        sock.listen()
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(path))
+
+
+def test_sigterm_during_model_load_removes_the_admin_socket(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import signal
+    import time
+
+    path = tmp_path / "admin.sock"
+    log = tmp_path / "d.log"
+    args = ["--model", str(tiny_model_dir), "--admin-socket", str(path), "--no-kv-store"]
+    proc = spawn(free_port(), [*args, "--log-format", "json"], log)
+    try:
+        deadline = time.monotonic() + 60
+        while not path.exists():  # bound before the model loads
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = log.read_text()
+    assert '"serving"' not in output, "the signal came after the model had loaded"
+    assert "Traceback" not in output and '"event": "stopped"' in output
+    assert not path.exists()
 
 
 def test_a_log_file_that_cannot_be_opened(tiny_model_dir: Path, tmp_path: Path) -> None:

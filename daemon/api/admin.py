@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from pathlib import Path
 
 import orjson
@@ -14,7 +15,7 @@ from aiohttp import web
 from daemon.api.errors import ApiError, bad_request, error_middleware
 from daemon.api.params import get_int
 from daemon.api.state import ApiState
-from daemon.startup import failing_as
+from daemon.startup import StartupError, failing_as
 
 routes = web.RouteTableDef()
 ADMIN: web.AppKey[ApiState] = web.AppKey("deepinfer_admin", ApiState)
@@ -121,10 +122,10 @@ def create_admin_app(state: ApiState) -> web.Application:
 
 def bind_admin(path: str) -> socket.socket:
     """The admin socket bound at `path` (mode 0600), not yet listening. StartupError when the
-    path cannot hold a socket."""
+    path cannot hold a socket, or holds anything but a stale socket (one nobody listens on)."""
     with failing_as(f"cannot create the admin socket {path}", OSError):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).unlink(missing_ok=True)  # left behind by a crash
+        _remove_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # no window in which others could connect
         try:
@@ -136,6 +137,26 @@ def bind_admin(path: str) -> socket.socket:
             os.umask(old)
         os.chmod(path, 0o600)
     return sock
+
+
+def _remove_stale(path: str) -> None:
+    """Removes a socket left behind by a daemon that died; StartupError for anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"cannot create the admin socket {path}: it exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # nobody listens: stale
+        else:
+            raise StartupError(
+                f"cannot create the admin socket {path}: another process is listening on it"
+            )
+    os.unlink(path)
 
 
 async def start_admin(state: ApiState, sock: socket.socket) -> web.AppRunner:

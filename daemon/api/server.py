@@ -188,15 +188,23 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     SIGHUP re-reads the settings (`reload`) and applies what can change live."""
     engine_cfg, server_cfg = settings.engine, settings.server
     # Both sockets are bound before the model loads (minutes, for a big one), so that a taken
-    # port or an unusable socket path stops the start at once.
-    with contextlib.ExitStack() as unused:
-        socks = [unused.enter_context(s) for s in bind_tcp(server_cfg.host, server_cfg.port)]
-        admin_sock = None
-        if server_cfg.admin_socket:
-            admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
-            unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
-        engine, name = build_engine(engine_cfg)
-        unused.pop_all()  # the sites own them from here
+    # port or an unusable socket path stops the start at once. A SIGTERM meanwhile stops the
+    # start, closing them (and removing the admin socket's file) on the way out.
+    previous = signal.signal(signal.SIGTERM, _stop_starting)
+    try:
+        with contextlib.ExitStack() as unused:
+            socks = [unused.enter_context(s) for s in bind_tcp(server_cfg.host, server_cfg.port)]
+            admin_sock = None
+            if server_cfg.admin_socket:
+                admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
+                unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
+            engine, name = build_engine(engine_cfg)
+            unused.pop_all()  # the sites own them from here
+    except _StopStarting:
+        log.info("stopped", during="startup")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
@@ -242,6 +250,14 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         await notifier.close()
     log.info("stopped")
     return EXIT_ENGINE_FAILED if engine.failed.is_set() else 0
+
+
+class _StopStarting(BaseException):
+    """SIGTERM while the daemon starts (a BaseException: no `except Exception` swallows it)."""
+
+
+def _stop_starting(_signum: int, _frame: object) -> None:
+    raise _StopStarting
 
 
 class _Signals:
