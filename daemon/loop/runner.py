@@ -65,11 +65,10 @@ class PreparedStep:
     penalty_slots: list[int]
     bitmask: torch.Tensor | None  # [S, ceil(V/32)] int32 grammar masks (constrained rows only)
     bitmask_rows: list[int]
-    bias_rows: torch.Tensor  # logit_bias entries: the logits row, token id and bias of each
-    bias_ids: torch.Tensor
-    bias_values: torch.Tensor
-    prompt_rows: torch.Tensor  # [R] forward rows whose next prompt token is scored
-    prompt_targets: torch.Tensor  # [R] that token
+    # logit_bias entries: the logits row, token id and bias of each (None: no row has any)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    prompt_rows: torch.Tensor | None  # [R] forward rows whose next prompt token is scored
+    prompt_targets: torch.Tensor | None  # [R] that token
     prompt_spans: list[PromptSpan]
     cache_ops: CacheOps  # tier moves and sliding-window saves, before anything reuses a block
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
@@ -171,7 +170,9 @@ class ModelRunner:
             # prompt logprobs, once (a recompute after the first sample has them already)
             last = min(end, req.num_prompt_tokens - 1)
             if req.params.prompt_logprobs is not None and seq.sample_index == 0 and start < last:
-                prompt_spans.append(PromptSpan(i, start + 1, last - start, req.params.prompt_logprobs))
+                prompt_spans.append(
+                    PromptSpan(i, start + 1, last - start, req.params.prompt_logprobs)
+                )
                 prompt_rows.extend(range(q_start, q_start + last - start))
                 prompt_targets.extend(req.prompt_ids[start + 1 : last + 1])
             if seq.first and req.params.has_penalties:
@@ -212,11 +213,15 @@ class ModelRunner:
             penalty_slots=penalty_slots,
             bitmask=bitmask,
             bitmask_rows=bitmask_rows,
-            bias_rows=torch.tensor(bias_rows, dtype=torch.long),
-            bias_ids=torch.tensor(bias_ids, dtype=torch.long),
-            bias_values=torch.tensor(bias_values, dtype=torch.float32),
-            prompt_rows=torch.tensor(prompt_rows, dtype=torch.long),
-            prompt_targets=torch.tensor(prompt_targets, dtype=torch.long),
+            logit_bias=(
+                torch.tensor(bias_rows, dtype=torch.long),
+                torch.tensor(bias_ids, dtype=torch.long),
+                torch.tensor(bias_values, dtype=torch.float32),
+            )
+            if bias_rows
+            else None,
+            prompt_rows=torch.tensor(prompt_rows, dtype=torch.long) if prompt_spans else None,
+            prompt_targets=torch.tensor(prompt_targets, dtype=torch.long) if prompt_spans else None,
             prompt_spans=prompt_spans,
             cache_ops=cache_ops,
             restores=restores,
@@ -301,13 +306,8 @@ class ModelRunner:
             states = [self.penalties[s] for s in step.penalty_slots]
             params = [sb.params[r] for r in step.penalty_rows]
             apply_penalties(logits, step.penalty_rows, states, params)
-        if step.bias_rows.numel():
-            apply_logit_bias(
-                logits,
-                step.bias_rows.to(dev, non_blocking=True),
-                step.bias_ids.to(dev, non_blocking=True),
-                step.bias_values.to(dev, non_blocking=True),
-            )
+        if step.logit_bias is not None:
+            apply_logit_bias(logits, *(t.to(dev, non_blocking=True) for t in step.logit_bias))
         if step.bitmask is not None:
             apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
         result = sample(logits, sb, self.generator)
@@ -322,6 +322,7 @@ class ModelRunner:
     def _prompt_logprobs(self, hidden: torch.Tensor, step: PreparedStep) -> TargetLogprobs:
         """Each prompt row's logprob of the next prompt token: full-vocabulary logits for these
         rows only, a bounded number of rows at a time."""
+        assert step.prompt_rows is not None and step.prompt_targets is not None
         rows = step.prompt_rows.to(self.device, non_blocking=True)
         targets = step.prompt_targets.to(self.device, non_blocking=True)
         top_n = max(span.top_n for span in step.prompt_spans)
@@ -372,6 +373,7 @@ def _to_cpu(result: Any) -> Any:
 def _prompt_entries(
     prompt: TargetLogprobs, step: PreparedStep
 ) -> list[tuple[int, int, list[TokenLogprob]]]:
+    assert step.prompt_targets is not None
     chosen, ranks = prompt.logprob.tolist(), prompt.rank.tolist()
     targets = step.prompt_targets.tolist()
     top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
