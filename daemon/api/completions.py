@@ -122,7 +122,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         tokenizer=engine.tokenizer,
     )
     jobs = [(ids, creq.params_for(j)) for ids in prompt_ids for j in range(creq.n)]
-    texts = [_echoed(p, ids, engine.tokenizer) if creq.echo else "" for p, ids in zip(creq.prompts, prompt_ids)]
+    texts = [
+        _echoed(p, ids, engine.tokenizer) if creq.echo else ""
+        for p, ids in zip(creq.prompts, prompt_ids)
+    ]
     c.choices = [
         _Choice(i, ids, texts[i // creq.n], creq.echo_only) for i, (ids, _) in enumerate(jobs)
     ]
