@@ -78,7 +78,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--swa-miss-policy",
         default=S,
         choices=("replay", "exact"),
-        help="DeepSeek-V4, cached blocks but no sliding-window state: bounded replay or exact",
+        help="DeepSeek-V4, cached blocks but no sliding-window state: replay the window's reach "
+        "(layers x (window - 1) tokens) or recompute from the last stored state",
     )
     g.add_argument("--swa-cache-memory-gb", type=float, default=S)
     g.add_argument("--swa-cache-ttl-s", type=float, default=S)
