@@ -60,3 +60,51 @@ async def test_server_still_serves_after_disconnects(api_server) -> None:
         s.post(api_server.base_url + "/completions", json=body) as r,
     ):
         assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] >= 1
+
+
+async def test_every_disconnected_request_gets_its_access_log_line(api_server, wait_idle) -> None:
+    """As nginx logs it: status 499 for a request whose client closed first, streamed or not."""
+    import time
+    import uuid
+
+    from structlog.testing import capture_logs
+
+    async def whole(rid: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=0.3)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            with pytest.raises(asyncio.TimeoutError):
+                async with session.post(
+                    api_server.base_url + "/completions", json=LONG, headers={"X-Request-Id": rid}
+                ) as r:
+                    await r.read()
+
+    async def streamed(rid: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                api_server.base_url + "/completions",
+                json=LONG | {"stream": True},
+                headers={"X-Request-Id": rid},
+            )
+            await resp.content.readline()
+            resp.close()
+
+    ids = {
+        f"gone-{kind}-{i}-{uuid.uuid4().hex[:6]}": kind
+        for kind in ("whole", "stream")
+        for i in range(4)
+    }
+    with capture_logs() as logs:
+        await asyncio.gather(
+            *((whole if k == "whole" else streamed)(rid) for rid, k in ids.items())
+        )
+        await wait_idle(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+            if set(ids) <= set(lines):
+                break
+            await asyncio.sleep(0.05)
+    missing = set(ids) - set(lines)
+    assert not missing, f"no request line for {sorted(missing)}"
+    assert {lines[rid]["status"] for rid in ids} == {499}
+    assert all(lines[rid]["path"] == "/v1/completions" for rid in ids)

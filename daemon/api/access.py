@@ -1,9 +1,12 @@
 """Request ids and the access log: every request gets an id (the client's X-Request-Id or a
 new one) bound to its log lines and echoed back; generation handlers note what the request
-did, and one `request` line per request carries it with the status and duration."""
+did, and one `request` line per request carries it with the status and duration (499, as
+nginx logs it, for one whose client went away before its answer was done)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +20,7 @@ log = structlog.get_logger(__name__)
 HEADER = "X-Request-Id"
 REQUEST_ID = web.RequestKey("deepinfer_request_id", str)
 _NOTES = web.RequestKey("deepinfer_access", dict)
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed first
 
 
 @web.middleware
@@ -25,8 +29,16 @@ async def request_id_middleware(
 ) -> web.StreamResponse:
     rid = request.headers.get(HEADER, "")[:128] or uuid.uuid4().hex
     request[REQUEST_ID] = rid
+    start = time.monotonic()
     with structlog.contextvars.bound_contextvars(request_id=rid):
-        return await handler(request)
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler and logs nothing: when the client disconnected, or
+            # at shutdown past the grace time
+            gone = request.transport is None or request.transport.is_closing()
+            log_request(request, CLIENT_CLOSED if gone else 503, time.monotonic() - start)
+            raise
 
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
@@ -48,16 +60,20 @@ def note(request: web.Request, api_id: str, reqs: list[Request], stream: bool) -
     }
 
 
+def log_request(request: web.BaseRequest, status: int, seconds: float) -> None:
+    emit = log.debug if request.path in ("/health", "/metrics") else log.info
+    emit(
+        "request",
+        request_id=request.get(REQUEST_ID),
+        method=request.method,
+        path=request.path,
+        status=status,
+        seconds=round(seconds, 4),
+        remote=request.remote,
+        **request.get(_NOTES, {}),
+    )
+
+
 class AccessLogger(AbstractAccessLogger):
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        emit = log.debug if request.path in ("/health", "/metrics") else log.info
-        emit(
-            "request",
-            request_id=request.get(REQUEST_ID),
-            method=request.method,
-            path=request.path,
-            status=response.status,
-            seconds=round(time, 4),
-            remote=request.remote,
-            **request.get(_NOTES, {}),
-        )
+        log_request(request, response.status, time)
