@@ -232,3 +232,28 @@ async def test_abandoned_stream_frees_blocks(v4_api_server, path: str, body: dic
         resp.close()
     stats = await wait_idle(v4_api_server)
     assert stats["running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def test_chat_logit_bias(v4_api_server) -> None:
+    """DeepSeek-V4 chat honours `logit_bias` (the recipe drops it; we carry it to the sampler)."""
+    import urllib.request
+
+    import orjson
+
+    req = urllib.request.Request(
+        v4_api_server.url + "/tokenize",
+        data=orjson.dumps({"model": M, "prompt": " hello", "add_special_tokens": False}),
+        headers={"content-type": "application/json"},
+    )
+    forced = orjson.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"][0]
+    client = OpenAI(base_url=v4_api_server.base_url, api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model=M,
+        messages=USER,
+        max_tokens=3,
+        temperature=1.0,
+        seed=1,
+        logit_bias={str(forced): 100},
+        extra_body=NO_THINK,
+    )
+    assert r.choices[0].message.content == " hello" * 3

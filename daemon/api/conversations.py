@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 
 import structlog
 from aiohttp import web
@@ -18,7 +19,7 @@ from daemon.api.completions_protocol import MAX_N
 from daemon.api.constraints import Grammar, OutputOptions
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, sample_jobs, submit_all
-from daemon.api.params import JsonObject, get_bool, get_int, get_object
+from daemon.api.params import JsonObject, get_bool, get_int, get_logit_bias, get_object
 from daemon.api.sse import SSEWriter
 from daemon.api.state import ApiState, get_state, read_json_object
 from daemon.api.stored_responses import RESPONSE_STORE, Turn
@@ -60,6 +61,8 @@ async def handle(request: web.Request, protocol: Protocol) -> web.StreamResponse
     rid = protocol.id_prefix + uuid.uuid4().hex
     options, recipe_body = OutputOptions.read(protocol.name, body)
     prepared = await _prepare(state.codec, protocol, recipe_body, rid)
+    if protocol is CHAT and (bias := get_logit_bias(body)):  # the recipe does not carry it
+        prepared.params = replace(prepared.params, logit_bias=bias)
     grammar = await _grammar(state, prepared, options)
     state.check_capacity()
     cache = cache_options(request, body, state.engine)
