@@ -240,7 +240,7 @@ class TestBoundedReplayDivergence:
         return load_model(path, torch.device("cpu"), torch.float32).model
 
     @staticmethod
-    def compare(model, prefix: int) -> dict[str, dict[str, float]]:
+    def compare(model, prefix: int, replay: int = 128) -> dict[str, dict[str, float]]:
         from daemon.loop.prefix import RestoreOp
         from daemon.models.attention import SeqSlice
         from tests.test_models_v4 import Harness
@@ -256,7 +256,7 @@ class TestBoundedReplayDivergence:
             ]
             h.cache.restore(RestoreOp(prefix, None), h.tables[seq])
             if name == "replay":
-                start = prefix - min(128, prefix)
+                start = prefix - min(replay, prefix)
                 part = SeqSlice(0, start, prefix - start, h.tables[seq], False, True, start)
                 with torch.inference_mode():
                     model(
@@ -275,6 +275,16 @@ class TestBoundedReplayDivergence:
     def test_exact_when_the_replay_covers_the_prefix(self, model) -> None:
         r = self.compare(model, prefix=128)
         assert r["replay"]["mean"] <= 1e-4 and r["replay"]["agree"] == 1.0
+
+    def test_exact_over_the_windows_reach(self, model) -> None:
+        """Replaying layers x (W-1) tokens (what the engine's `replay` policy does) rebuilds
+        every layer's window: layer k's keys need layer k-1's outputs W-1 positions further
+        back, down to the first layer's keys, which need only the tokens."""
+        reach = len(model.layers) * 127
+        r = self.compare(model, prefix=512, replay=reach)
+        assert r["replay"]["mean"] <= 1e-4 and r["replay"]["agree"] == 1.0
+        short = self.compare(model, prefix=512, replay=reach - 127)
+        assert short["replay"]["mean"] > 1e-3  # one window short is not
 
     def test_bounded_beyond_the_window(self, model) -> None:
         r = self.compare(model, prefix=256)
