@@ -63,7 +63,7 @@ CASES: list[tuple[str, dict | bytes, int, str | None]] = [
     ("n_zero", {"n": 0}, 400, "n"),
     ("n_too_many", {"n": 17}, 400, "n"),
     ("best_of_not_n", {"best_of": 3}, 400, "best_of"),
-    ("echo_true", {"echo": True}, 400, "echo"),
+    ("echo_str", {"echo": "yes"}, 400, "echo"),
     ("suffix", {"suffix": "tail"}, 400, "suffix"),
     ("stream_str", {"stream": "yes"}, 400, "stream"),
     ("stream_options_int", {"stream": True, "stream_options": 5}, 400, "stream_options"),
@@ -79,7 +79,7 @@ CASES: list[tuple[str, dict | bytes, int, str | None]] = [
     ("traffic_class_int", {"traffic_class": 3}, 400, "traffic_class"),
     ("cache_salt_empty", {"cache_salt": ""}, 400, "cache_salt"),
     ("cache_salt_int", {"cache_salt": 5}, 400, "cache_salt"),
-    ("logit_bias", {"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("logit_bias_out_of_range", {"logit_bias": {"5": 101}}, 400, "logit_bias"),
 ]
 
 
