@@ -75,6 +75,11 @@ def test_socket_is_private(served) -> None:
         sock.chmod(0o600)
 
 
+async def health(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/health") as r:
+        return r.status, (await r.json())["status"]
+
+
 def test_commands(served) -> None:
     url, sock, proc = served
     status = json.loads(admin(sock, "status").stdout)
@@ -95,8 +100,10 @@ def test_commands(served) -> None:
     drained = admin(sock, "drain")
     assert drained.returncode == 0 and json.loads(drained.stdout)["draining"]
     assert asyncio.run(complete()) == 503
+    assert asyncio.run(health(url)) == (503, "draining")  # load balancers take it out
     assert admin(sock, "resume").returncode == 0
     assert asyncio.run(complete()) == 200
+    assert asyncio.run(health(url)) == (200, "ok")
     done = admin(sock, "set-intervals", "--stats", "50", "--rebalance", "0")
     assert done.returncode == 0 and json.loads(done.stdout)["stats_interval"] == 50
     assert proc.poll() is None

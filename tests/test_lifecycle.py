@@ -51,6 +51,8 @@ async def test_sigterm_drains_streams(tiny_model_dir: Path, tmp_path: Path) -> N
             async with http.post(url + "/v1/completions", json=body) as r:
                 assert r.status == 503 and r.headers["Retry-After"]
                 assert "shutting down" in (await r.json())["error"]["message"]
+            async with http.get(url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "draining"
             finishes = await asyncio.wait_for(asyncio.gather(*streams), 180)
         assert finishes == ["length"] * 20
         assert await asyncio.to_thread(proc.wait, 60) == 0

@@ -47,9 +47,14 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    engine = get_state(request).engine
+    """200 `ok` while serving; 503 while draining (SIGTERM or the admin socket's drain), so
+    that load balancers send new requests elsewhere, and once the engine has failed."""
+    state = get_state(request)
+    engine = state.engine
     if engine.error is not None:
         raise unavailable(f"the inference engine has failed: {type(engine.error).__name__}")
+    if state.draining:
+        return _json({"status": "draining"} | engine.stats(), 503)
     return _json({"status": "ok"} | engine.stats())
 
 
