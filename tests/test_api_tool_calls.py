@@ -178,7 +178,6 @@ def test_responses_required_calls_are_valid(oai: OpenAI) -> None:
 
 
 def test_messages_named_tool_calls_are_valid(v4_api_server) -> None:
-    """(The recipe takes Messages' tool_choice "any" as auto; a named tool is required.)"""
     claude = anthropic.Anthropic(base_url=v4_api_server.url, api_key="x", max_retries=0)
     tools = [{"name": n, "input_schema": p} for n, p in PARAMETERS.items()]
     for name in ("get_weather", "tag", "add"):
@@ -313,3 +312,142 @@ def test_a_tool_schema_the_grammar_cannot_take_is_400(oai: OpenAI) -> None:
             max_tokens=4,
             extra_body=NO_THINK,
         )
+
+
+# ---- Anthropic tool_choice any; at most one call (parallel_tool_calls / disable_parallel) ---
+
+
+@pytest.fixture
+def claude(v4_api_server) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=v4_api_server.url, api_key="x", max_retries=0)
+
+
+ANTHROPIC_TOOLS = [{"name": n, "input_schema": p} for n, p in PARAMETERS.items()]
+
+
+async def _messages(claude: anthropic.AsyncAnthropic, tool_choice: dict, k: int) -> list:
+    return await asyncio.gather(
+        *(
+            claude.messages.create(
+                model=M,
+                max_tokens=800,
+                messages=USER,
+                tools=ANTHROPIC_TOOLS,
+                tool_choice=tool_choice,
+                thinking={"type": "disabled"},
+            )
+            for _ in range(k)
+        )
+    )
+
+
+def _uses(r) -> list[tuple[str, str]]:
+    return [(b.name, json.dumps(b.input)) for b in r.content if b.type == "tool_use"]
+
+
+async def test_messages_any_forces_a_tool_call(claude: anthropic.AsyncAnthropic) -> None:
+    """ "any": the model must use one of the tools (Anthropic prefills no text before it)."""
+    for r in await _messages(claude, {"type": "any"}, 8):
+        assert r.stop_reason == "tool_use", r
+        assert r.content[0].type == "tool_use", r.content
+        _check_calls(_uses(r))
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [
+        {"type": "any", "disable_parallel_tool_use": True},
+        {"type": "tool", "name": "tag", "disable_parallel_tool_use": True},
+    ],
+)
+async def test_messages_disable_parallel_tool_use_makes_one_call(
+    claude: anthropic.AsyncAnthropic, tool_choice: dict
+) -> None:
+    for r in await _messages(claude, tool_choice, 8):
+        assert r.stop_reason == "tool_use", r
+        calls = _uses(r)
+        assert len(calls) == 1, calls
+        named = tool_choice.get("name")
+        _check_calls(calls, frozenset({named}) if named else frozenset(PARAMETERS))
+
+
+async def test_messages_any_with_thinking_is_400(claude: anthropic.AsyncAnthropic) -> None:
+    """As Anthropic: thinking cannot go with a tool_choice that forces a tool."""
+    with pytest.raises(anthropic.BadRequestError):
+        await claude.messages.create(
+            model=M,
+            max_tokens=2048,
+            messages=USER,
+            tools=ANTHROPIC_TOOLS,
+            tool_choice={"type": "any"},
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
+
+
+async def test_chat_parallel_tool_calls_false_makes_one_call(aoai: AsyncOpenAI) -> None:
+    async def one(seed: int):
+        return await aoai.chat.completions.create(
+            model=M,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=800,
+            extra_body=NO_THINK,
+        )
+
+    for r in await asyncio.gather(*(one(seed) for seed in range(10))):
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+        assert len(calls) == 1, calls
+        _check_calls(calls)
+
+
+async def test_responses_parallel_tool_calls_false_makes_one_call(aoai: AsyncOpenAI) -> None:
+    tools = [{"type": "function", "name": n, "parameters": p} for n, p in PARAMETERS.items()]
+
+    async def one(seed: int):
+        return await aoai.responses.create(
+            model=M,
+            input="weather?",
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            reasoning={"effort": "none"},
+            temperature=1.0,
+            max_output_tokens=800,
+            extra_body={"seed": seed},
+        )
+
+    for r in await asyncio.gather(*(one(seed) for seed in range(6))):
+        calls = [(o.name, o.arguments) for o in r.output if o.type == "function_call"]
+        assert len(calls) == 1, r.output
+        _check_calls(calls)
+
+
+def test_auto_grammar_with_one_call_closes_the_block_after_it(grammar_env) -> None:
+    """parallel_tool_calls false under auto: once the text opens the block, one call ends it."""
+    import xgrammar as xgr
+
+    tok, constraints, options, rtok = grammar_env
+    oc = _conversation(options, "auto").inference_options.output_constraint
+    compiled = asyncio.run(constraints.compile(oc.kind + ":one", oc.schema))
+    opening = rtok.encode("Let me check.\n\n<｜DSML｜tool_calls>\n")
+    rng = random.Random(1)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    for _ in range(6):
+        matcher = xgr.GrammarMatcher(compiled)
+        ids = list(opening)
+        assert all(matcher.accept_token(t) for t in ids)
+        while len(ids) < 2000:
+            t = rng.choice(_allowed(matcher, mask))
+            if t == 1:
+                break
+            assert matcher.accept_token(t)
+            ids.append(t)
+        choice = _parse(_conversation(options, "auto"), rtok, ids)
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert len(choice["message"]["tool_calls"]) == 1, choice
