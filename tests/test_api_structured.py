@@ -21,7 +21,6 @@ M = V4_SERVED_NAME
 SCHEMA = {
     "type": "object",
     "properties": {
-        # not maxLength: xgrammar 0.2.9 lets control characters into length-bounded strings
         "name": {"type": "string", "pattern": "^[A-Za-z ]{1,6}$"},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "ok": {"type": "boolean"},

@@ -3,6 +3,7 @@ written), and that every other one is named by `unenforced` (a strict schema's 4
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -194,3 +195,20 @@ def test_any_json_object_is_an_object() -> None:
     assert _is_grammar_accept_string(grammar, '{"a": [1, {"b": null}]}')
     assert not _is_grammar_accept_string(grammar, "[1]")
     assert not _is_grammar_accept_string(grammar, '"x"')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "format": ["date"]},
+        {"type": [{}], "maxLength": 2},
+        {"type": "object", "properties": {}, "required": [{}]},
+        {"type": "object", "properties": {"a": {"$ref": "#/nope"}}, "enum": [{"a": 1}]},
+        {"type": "string", "minLength": "x", "enum": ["a"]},
+    ],
+)
+def test_malformed_schemas_are_named_not_raised(schema: dict) -> None:
+    """A strict check never raises on a malformed schema (a 400, never a 500)."""
+    assert unenforced(schema) is not None
+    with contextlib.suppress(ValueError, RuntimeError):  # the compile's 400
+        ebnf(schema)

@@ -134,7 +134,8 @@ def _sound_formats(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _sound_formats(v) if k not in ("enum", "const") else v for k, v in node.items()}
-    pattern = _FORMAT_PATTERNS.get(node.get("format"))  # type: ignore[arg-type]
+    fmt = node.get("format")
+    pattern = _FORMAT_PATTERNS.get(fmt) if isinstance(fmt, str) else None
     if pattern is not None and "pattern" not in node:
         del out["format"]
         out["pattern"] = pattern
@@ -163,7 +164,7 @@ class _Checker:
     def keywords(self, node: dict[str, Any], path: str) -> Unenforced | None:
         keys = set(node) - ANNOTATIONS
         types = node.get("type")
-        types = set(types) if isinstance(types, list) else {types} if types else set()
+        types = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)}
         for key in sorted(keys):
             if key not in _GENERIC and key not in _TYPE_OF:
                 return Unenforced(key, path, "the grammar does not enforce this keyword")
@@ -188,12 +189,12 @@ class _Checker:
         rest = sorted(keys & _STRING_TEXT - {lead})
         if lead is not None and rest:
             return Unenforced(rest[0], path, f"the grammar ignores it beside '{lead}'")
-        if "format" in keys and node["format"] not in FORMATS:
+        if "format" in keys and not (isinstance(node["format"], str) and node["format"] in FORMATS):
             return Unenforced("format", path, f"format {node['format']!r} is not enforced")
         required = node.get("required")
         if isinstance(required, list):
             props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            missing = [r for r in required if r not in props]
+            missing = [r for r in required if not isinstance(r, str) or r not in props]
             if missing:
                 return Unenforced("required", path, f"{missing[0]!r} is not in 'properties'")
         for key in ("enum", "const"):
@@ -211,7 +212,13 @@ class _Checker:
             cls = jsonschema.validators.validator_for(self.root, jsonschema.Draft202012Validator)
             self._validator = cls(self.root)
         validator = self._validator.evolve(schema=node)
-        return next((v for v in values if not validator.is_valid(v)), None)
+        for v in values:
+            try:
+                if not validator.is_valid(v):
+                    return v
+            except Exception:  # a malformed schema (jsonschema raises its own kinds)
+                return v
+        return None
 
 
 def _subschemas(node: dict[str, Any], path: str) -> list[tuple[str, Any, str]]:
