@@ -2,18 +2,23 @@
 (daemon/benchmark/traces.py) replayed through the engine in-process on a tiny random dense model.
 
     python -m bench.kv_hit_rate [--kind agent --sessions 4 --time-scale 0.01
-        --configs default host store --kv-gb 0.004 --host-gb 4 --json out.json]
+        --configs default host store --kv-gb 0.004 --host-gb 4 --model dense --json out.json]
 
 Configurations: `default` = EngineConfig's sizing (1 GB device pool, 4 GB host tier) plus a
 block store in a temp dir; `host` = a device pool of --kv-gb with the host tier, no store;
 `store` = the same small pool, no host tier, the block store. The ceiling counts the prompt
 tokens an earlier request had computed, in whole blocks (daemon.benchmark.traces.PrefixCeiling).
+`--model v4`: a tiny random DeepSeek-V4 with V4-Flash's window (128) and compress rates (4 / 128,
+so 128-token blocks), to measure its sliding-window tier too: the SWA snapshot hit rate of
+admissions that found cached blocks, and the host memory the snapshots take (here, and at
+V4-Flash's 5.33 MiB per snapshot).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import shutil
 import tempfile
@@ -42,6 +47,26 @@ SPEC = ModelSpec(
     num_layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=4096,
     max_positions=65536,
 )  # fmt: skip
+
+
+V4_SPEC = dict(
+    vocab_size=SPEC.vocab, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=2, head_dim=32, q_lora_rank=16, o_groups=1, o_lora_rank=16,
+    n_routed_experts=2, num_experts_per_tok=1, index_n_heads=2, index_head_dim=16, index_topk=8,
+    layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+    mlp_layer_types=["moe", "moe"], sliding_window=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    max_position_embeddings=SPEC.max_positions,
+)  # fmt: skip
+V4_FLASH_SNAPSHOT_BYTES = 43 * 127 * 512 * 2  # layers x (window - 1) x head_dim x bf16
+
+
+def make_v4_checkpoint() -> Path:
+    from tests.checkpoints import make_v4_checkpoint as make
+
+    root = Path(tempfile.mkdtemp(prefix="deepinfer-bench-v4-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return make(root, **V4_SPEC)
 
 
 @dataclass(frozen=True)
@@ -169,7 +194,7 @@ async def run_config(cfg: RunConfig, path: Path, trace: list[Turn], scale: float
             device_capacity_tokens=engine.kv.capacity_tokens(),
             host_capacity_tokens=host_blocks * block_tokens,
             preemptions=engine.scheduler.num_preemptions,
-            stats=engine.stats(),
+            stats=engine.stats() | {"swa_snapshot_bytes": prefix.swa_bytes},
         )
     finally:
         if store_dir:
@@ -197,6 +222,19 @@ def report(runs: list[RunResult]) -> None:
         )
     for r in runs:
         s = r.stats
+        if "swa_hits" in s:
+            lookups = s["swa_hits"] + s["swa_misses"]
+            one = s["swa_snapshot_bytes"]
+            peak = s["swa_cache_peak_bytes"] // one
+            print(
+                f"{r.config.name}: SWA snapshot hit rate **{s['swa_hit_rate']:.2%}** "
+                f"({s['swa_hits']}/{lookups} admissions on cached blocks); "
+                f"{s['swa_cache_saves']} snapshots taken, {s['swa_cache_evictions']} evicted; "
+                f"host memory peak {peak} snapshots = {s['swa_cache_peak_bytes'] / 2**20:.1f} MiB "
+                f"here ({one:,} B each), {peak * V4_FLASH_SNAPSHOT_BYTES / 2**30:.2f} GiB at "
+                f"V4-Flash's {V4_FLASH_SNAPSHOT_BYTES / 2**20:.2f} MiB; at the end "
+                f"{s['swa_cache_snapshots']} = {s['swa_cache_bytes'] / 2**20:.1f} MiB"
+            )
         print(
             f"{r.config.name}: engine prefix_token_hit_rate {s.get('prefix_token_hit_rate', 0):.2%}; "
             + ", ".join(
@@ -230,6 +268,12 @@ def main() -> None:
     )
     ap.add_argument("--kv-gb", type=float, default=0.004, help="device pool of host/store runs")
     ap.add_argument("--host-gb", type=float, default=4.0, help="host tier of the host run")
+    ap.add_argument(
+        "--model",
+        choices=("dense", "v4"),
+        default="dense",
+        help="v4: a tiny DeepSeek-V4 (window 128, rates 4/128), its SWA tier measured too",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     quiet_logs()
@@ -240,7 +284,8 @@ def main() -> None:
     trace = make_trace(args.kind, args.sessions, args.seed, SPEC.vocab, p)
     summary = describe(trace)
     assert p.max_context_tokens <= SPEC.max_positions
-    print(f"model: {SPEC.describe()}, {machine()}")
+    model = SPEC.describe() if args.model == "dense" else f"tiny DeepSeek-V4 {V4_SPEC}"
+    print(f"model: {model}, {machine()}")
     print(
         f"trace: {args.kind}, {summary['sessions']} sessions, {summary['turns']} turns "
         f"({summary['turns_per_session']:.1f} per session), {summary['prompt_tokens']:,} prompt "
@@ -255,7 +300,7 @@ def main() -> None:
         "host": RunConfig("host", args.kv_gb, args.host_gb, False),
         "store": RunConfig("store", args.kv_gb, 0.0, True),
     }
-    path = make_checkpoint(SPEC)
+    path = make_checkpoint(SPEC) if args.model == "dense" else make_v4_checkpoint()
     runs = []
     for name in args.configs:
         run = asyncio.run(run_config(configs[name], path, trace, args.time_scale))
