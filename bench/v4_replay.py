@@ -1,8 +1,9 @@
 """Continuation cost after a DeepSeek-V4 prefix hit, by prefix length: exact resume (SWA snapshot
-present), bounded replay (snapshot missing, policy "replay") and full recompute (no prefix cache).
+present), bounded replay (snapshot missing, policy `--policy`: "window" by default, the seed's
+last-W-tokens replay; "replay" recomputes layers x (W-1) tokens) and full recompute (no prefix cache).
 
     python -m bench.v4_replay [--prefix 1024 4096 16384 --new-tokens 8 --repeats 9 --full-repeats 3]
-                              [--skip-full]
+                              [--skip-full] [--policy window|replay]
 
 Per prefix length, turn 1 (a random prefix, max_tokens=1) fills the block cache and stores the SWA
 snapshot at its last block boundary. Then, per repeat, turn 2 = prefix + a few fresh tokens with
@@ -134,7 +135,7 @@ async def bench(args: argparse.Namespace) -> None:
         swa_cache_ttl_s=1e9,  # turn 1's snapshots must outlive the whole run
         **engine_threads(args),
     )
-    cached_engine, _ = build_engine(EngineConfig(**common, swa_miss_policy="replay"))
+    cached_engine, _ = build_engine(EngineConfig(**common, swa_miss_policy=args.policy))
     cold_engine = None
     if not args.skip_full:
         cold_engine, _ = build_engine(EngineConfig(**common, prefix_caching=False))
@@ -281,6 +282,13 @@ def main() -> None:
         type=int,
         default=512,
         help="hidden and expert width: the per-token work (see above)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("window", "replay"),
+        default="window",
+        help="SWA-miss policy of the replay runs: window (the last W tokens, the seed's) or "
+        "replay (layers x (W-1) tokens, exact)",
     )
     p.add_argument("--kv-gb", type=float, default=1.0)
     p.add_argument("--max-batched-tokens", type=int, default=2048)

@@ -137,7 +137,9 @@ def _prefix_cache(
         swa=swa,
         swa_group=names.index("swa"),
         swa_bytes=cache.swa_snapshot_bytes,
-        replay_tokens=cache.replay_tokens,
+        replay_tokens=(
+            cache.cfg.sliding_window if cfg.swa_miss_policy == "window" else cache.replay_tokens
+        ),
         policy=cfg.swa_miss_policy,
     )
 

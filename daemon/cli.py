@@ -77,9 +77,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--swa-miss-policy",
         default=S,
-        choices=("replay", "exact"),
+        choices=("replay", "window", "exact"),
         help="DeepSeek-V4, cached blocks but no sliding-window state: replay the window's reach "
-        "(layers x (window - 1) tokens) or recompute from the last stored state",
+        "(layers x (window - 1) tokens, exact), only the last window (the seed's bounded "
+        "replay, approximate) or recompute from the last stored state",
     )
     g.add_argument("--swa-cache-memory-gb", type=float, default=S)
     g.add_argument("--swa-cache-ttl-s", type=float, default=S)

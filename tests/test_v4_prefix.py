@@ -181,6 +181,24 @@ async def test_shared_prefix_hits_after_one_miss(small, policy: str) -> None:
     assert (swa.hits, swa.misses) == (2, 1)
 
 
+async def test_window_policy_replays_only_the_last_window(small) -> None:
+    """`window` (the seed's bounded replay): a miss recomputes only the last W tokens (the
+    state is approximate, so only the cost is asserted), and later requests hit its snapshot."""
+    path, _ = small
+    shared = tokens(7, 48)
+    prompts = [shared + tokens(40 + i, 20) for i in range(3)]
+    warm = await engine_for(path, swa_miss_policy="window")
+    try:
+        got = await answers(warm, prompts)
+        prefix = warm.scheduler.prefix
+    finally:
+        await warm.stop()
+    window = prefix.replay_tokens
+    assert window == warm.runner.cache.cfg.sliding_window
+    assert [c for _, c in got] == [0, len(shared) - window, len(shared)]
+    assert (prefix.swa.hits, prefix.swa.misses) == (1, 1)
+
+
 async def test_prefix_ending_at_a_prompts_last_block_hits(small) -> None:
     """A prefix that was an earlier prompt's full blocks (its tail shorter than a block): no miss."""
     path, block = small

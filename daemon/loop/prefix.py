@@ -9,6 +9,9 @@ SWA-state miss the policy decides:
   replay  recompute the last layers x (W-1) tokens before the boundary, their window limited
           to the replayed range: each layer's window reaches W-1 tokens further back, so the
           state it leaves is exact, at a cost that does not grow with the context
+  window  the seed's bounded replay: recompute only the last W tokens, their window limited to
+          them (constant and smallest cost; the state, and the snapshots taken after it, are
+          approximate)
   exact   resume from the last boundary whose SWA state is stored, or from scratch
 
 Blocks move between tiers as ops the device worker runs before the step's forward, in
@@ -31,7 +34,7 @@ from daemon.kv.tier_stats import CacheStats
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.request import Request
 
-POLICIES = ("replay", "exact")
+POLICIES = ("replay", "window", "exact")
 MAX_PROBES = 3  # store re-reads for one request whose in-memory prefix was evicted meanwhile
 TOUCH_EVERY_S = 3600.0  # refresh a device/host hit's store file at most this often
 _MAX_TOUCHED = 1 << 16
