@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
+import re
 from typing import Any
 
 import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from daemon.api.json_schema import ebnf, unenforced
+from daemon.api.json_schema import _FORMAT_PATTERNS, ebnf, unenforced
 
 STR = {"type": "string"}
 INT = {"type": "integer"}
@@ -42,6 +44,7 @@ ENFORCED: dict[str, tuple[Any, list[Any], list[Any]]] = {
         ["123e4567e89b12d3a456426614174000"],
     ),
     "format uri": (STR | {"format": "uri"}, ["http://a.b/c", "urn:a"], ["/rel", "a b"]),
+    "format hostname": (STR | {"format": "hostname"}, ["a-b.c"], ["-a.c", "a" * 64 + ".c"]),
     "minimum": (INT | {"minimum": 3}, [3], [2]),
     "maximum": (INT | {"maximum": 3}, [3], [4]),
     "exclusiveMinimum": (INT | {"exclusiveMinimum": 3}, [4], [3]),
@@ -212,3 +215,40 @@ def test_malformed_schemas_are_named_not_raised(schema: dict) -> None:
     assert unenforced(schema) is not None
     with contextlib.suppress(ValueError, RuntimeError):  # the compile's 400
         ebnf(schema)
+
+
+@pytest.mark.parametrize("fmt", sorted(_FORMAT_PATTERNS))
+def test_format_patterns_match_as_python_reads_them(fmt: str) -> None:
+    """The grammar of each replacement pattern accepts exactly what Python's re does (xgrammar
+    0.2.9 misreads some regexes, e.g. an optional group holding a repetition)."""
+    pattern = _FORMAT_PATTERNS[fmt]
+    grammar = xgr.Grammar.from_ebnf(ebnf(STR | {"format": fmt}))
+    rng = random.Random(0)
+    alphabet = "0123456789-:.TZ+aZ"
+    examples = {
+        "date": ["2024-02-28", "2024-12-31"],
+        "date-time": ["2024-01-31T10:00:00Z", "2024-01-31T10:00:00.123456-05:30"],
+        "time": ["23:59:59Z", "00:00:00.1+14:00"],
+        "ipv4": ["0.0.0.0", "255.255.255.255"],
+        "hostname": ["a", "a-b.c", "x" * 63 + ".y.z"],
+    }[fmt]
+    seen = 0
+    for text in examples + [_mutant(rng, examples, alphabet) for _ in range(600)]:
+        want = re.fullmatch(pattern[1:-1], text) is not None
+        assert _is_grammar_accept_string(grammar, json.dumps(text)) == want, text
+        seen += want
+    assert seen >= len(examples)
+
+
+def _mutant(rng: random.Random, examples: list[str], alphabet: str) -> str:
+    text = list(rng.choice(examples))
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(text) + 1)
+        op = rng.random()
+        if op < 0.4 and text:
+            text[min(i, len(text) - 1)] = rng.choice(alphabet)
+        elif op < 0.7:
+            text.insert(i, rng.choice(alphabet))
+        elif text:
+            del text[min(i, len(text) - 1)]
+    return "".join(text)

@@ -55,10 +55,11 @@ _BY_TYPE: dict[str, frozenset[str]] = {
 _TYPE_OF = {k: t for t, keys in _BY_TYPE.items() for k in keys if t != "number"}
 _TYPE_OF.update({k: "number" for k in _NUMERIC})
 
-# Formats whose xgrammar rule admits only valid values. Its date, date-time and ipv4 rules
-# admit invalid ones (2024-02-30, 256.0.0.1), and its time rule endless fractions of a second;
-# those go by the sound patterns below, which leave out February 29th, leap seconds and
-# fractions past microseconds (a subset is still valid).
+# Formats whose xgrammar rule admits only valid values. Its date, date-time, ipv4 and hostname
+# rules admit invalid ones (2024-02-30, 256.0.0.1, 64-letter labels) and its time rule endless
+# fractions of a second: those go by the sound patterns below, which leave out February 29th,
+# leap seconds, fractions past microseconds and hostnames past three labels (a subset of the
+# valid values is still valid).
 _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _MONTH_DAY = (
     "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
@@ -72,11 +73,14 @@ _TIME = (
     "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 )
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9]|)"
 _FORMAT_PATTERNS = {
     "date": f"^{_DATE}$",
     "date-time": f"^{_DATE}T{_TIME}$",
     "time": f"^{_TIME}$",
     "ipv4": f"^(?:{_OCTET}\\.){{3}}{_OCTET}$",
+    # at most three labels, so never past 253 characters
+    "hostname": f"^{_LABEL}(?:\\.{_LABEL}){{0,2}}$",
 }
 FORMATS = frozenset(
     {
