@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -20,8 +21,11 @@ from daemon.config import EngineConfig, ServerConfig
 from tests.checkpoints import make_dense_checkpoint
 from tests.conftest import TINY_SERVED_NAME, V4_SERVED_NAME, LiveServer
 
-SEED = 20261201
-BODIES_PER_ENDPOINT = 48  # x 4 endpoints x 2 servers
+# (a longer hunt: DEEPINFER_FUZZ_SEED=... DEEPINFER_FUZZ_BODIES=500)
+SEED = int(os.environ.get("DEEPINFER_FUZZ_SEED", "20261201"))
+BODIES_PER_ENDPOINT = int(
+    os.environ.get("DEEPINFER_FUZZ_BODIES", "48")
+)  # x 4 endpoints x 2 servers
 TOOL_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},

@@ -100,3 +100,10 @@ def test_target_logprobs_rank_and_top() -> None:
     assert out.rank.tolist() == [3, 1]
     assert out.top_ids.tolist() == [[0, 1], [0, 1]]
     assert target_logprobs(LOGITS[None], torch.tensor([1]), 0).top_ids is None
+
+
+def test_a_top_k_past_int64_keeps_every_token() -> None:
+    """A client's top_k of 2**63 (valid JSON, accepted as "no limit") once failed the whole
+    engine loop (the tensor of k overflowed)."""
+    sb = SamplingBatch.build([SamplingParams(top_k=2**63), SamplingParams(top_k=2)], [0, 1], 4)
+    assert sb.top_k.tolist() == [4, 2] and sb.needs_top_k

@@ -39,7 +39,7 @@ class SamplingBatch:
             params=params,
             sample_indices=sample_indices,
             temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]),
+            top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
             top_p=torch.tensor([p.top_p for p in params]),
             min_p=torch.tensor([p.min_p for p in params]),
             greedy=torch.tensor(greedy),
