@@ -451,3 +451,83 @@ def test_auto_grammar_with_one_call_closes_the_block_after_it(grammar_env) -> No
         choice = _parse(_conversation(options, "auto"), rtok, ids)
         assert choice["finish_reason"] == "tool_calls", choice
         assert len(choice["message"]["tool_calls"]) == 1, choice
+
+
+# ---- strict tools: parameters held as written (the recipe's strict parse dropped keywords) --
+
+STRICT_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "maxLength": 4},
+        "n": {"type": "integer", "enum": [1, 2]},
+        "when": {"type": "string", "format": "date"},
+    },
+    "required": ["label", "n", "when"],
+    "additionalProperties": False,
+}
+
+
+async def test_strict_tool_parameters_are_held_as_written(aoai: AsyncOpenAI) -> None:
+    tool = {
+        "type": "function",
+        "function": {"name": "note", "parameters": STRICT_PARAMETERS, "strict": True},
+    }
+
+    async def one(seed: int):
+        return await aoai.chat.completions.create(
+            model=M,
+            messages=USER,
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+            extra_body=NO_THINK,
+        )
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for r in await asyncio.gather(*(one(seed) for seed in range(6))):
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, STRICT_PARAMETERS, format_checker=checker)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "keyword"),
+    [
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "array", "uniqueItems": True}},
+                "required": ["a"],
+            },
+            "uniqueItems",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1},
+            "minProperties",
+        ),
+    ],
+)
+def test_strict_tool_with_an_unenforced_keyword_is_400(
+    oai: OpenAI, parameters: dict, keyword: str
+) -> None:
+    from openai import BadRequestError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}
+    with pytest.raises(BadRequestError, match=keyword) as e:
+        oai.chat.completions.create(
+            model=M, messages=USER, tools=[tool], max_tokens=4, extra_body=NO_THINK
+        )
+    assert e.value.body["param"] == "tools[0].function.parameters"
+    with pytest.raises(BadRequestError, match=keyword):
+        oai.responses.create(
+            model=M,
+            input="hi",
+            tools=[{"type": "function", "name": "f", "parameters": parameters, "strict": True}],
+            reasoning={"effort": "none"},
+            max_output_tokens=4,
+        )

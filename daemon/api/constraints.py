@@ -15,7 +15,7 @@ import structlog
 import xgrammar as xgr
 
 from daemon.api.errors import bad_request
-from daemon.api.json_schema import ebnf, unenforced
+from daemon.api.json_schema import ANNOTATIONS, ebnf, unenforced
 from daemon.api.tool_grammar import MARKER, tool_call_tag
 from daemon.loop.constraint import GrammarConstraint
 from daemon.tokenizer import TextTokenizer
@@ -28,6 +28,9 @@ TOOL_KINDS = ("tool_call", "tool_call_required", "tool_call_any")
 ENFORCED_KINDS = ("json", "regex", *TOOL_KINDS)
 _ONE = ":one"  # kind suffix: at most one tool call
 _JSON_OBJECT = {"type": "object"}
+_TOOL_TOP = frozenset(
+    {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}
+)
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class OutputOptions:
         else:
             any_call, one_call = False, body.get("parallel_tool_calls") is False
         schema, body = _client_schema(protocol, body)
-        return cls(schema, any_call, one_call), body
+        return cls(schema, any_call, one_call), _loose_tools(protocol, body)
 
     def kind(self, recipe_kind: str) -> str:
         kind = recipe_kind
@@ -201,6 +204,43 @@ def _client_schema(protocol: str, body: dict[str, Any]) -> tuple[str | None, dic
     else:
         body = body | {"text": body["text"] | {"format": loose}}
     return json.dumps(schema), body
+
+
+def _loose_tools(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The body with its function tools' `strict` left out: the recipe's strict parse drops
+    keywords (maxLength, enum...) from their parameters, in the prompt and the constraint
+    alike. A strict tool's parameters are checked here instead."""
+    tools = body.get("tools")
+    if protocol == "messages" or not isinstance(tools, list):
+        return body
+    out, changed = [], False
+    for i, tool in enumerate(tools):
+        chat = protocol == "chat"
+        fn = tool.get("function") if chat and isinstance(tool, dict) else tool
+        if not isinstance(fn, dict) or "strict" not in fn or tool.get("type") != "function":
+            out.append(tool)
+            continue
+        if fn["strict"] is True and isinstance(fn.get("parameters"), dict):
+            where = f"tools[{i}].function.parameters" if chat else f"tools[{i}].parameters"
+            check_strict_parameters(fn["parameters"], where)
+        loose = {k: v for k, v in fn.items() if k != "strict"}
+        out.append(tool | {"function": loose} if chat else loose)
+        changed = True
+    return body | {"tools": out} if changed else body
+
+
+def check_strict_parameters(schema: dict[str, Any], param: str) -> None:
+    """check_strict for a tool's parameters, whose top level the tool-call grammar writes as
+    its declared properties, one markup element each."""
+    top = set(schema) - ANNOTATIONS - _TOOL_TOP
+    if top:
+        keyword = sorted(top)[0]
+        raise bad_request(
+            f"Invalid schema for '{param}': '{keyword}' is not supported at the top level of "
+            "a tool's parameters",
+            param,
+        )
+    check_strict(schema, param)
 
 
 def check_strict(schema: Any, param: str) -> None:
