@@ -1,6 +1,7 @@
-"""A seeded fuzz of the four generation endpoints on a DeepSeek-V4 server and a dense one:
-bodies mutated in type, depth, size and unicode, with fields deleted and duplicated, never get
-a 5xx, and every error comes in its protocol's shape."""
+"""A seeded fuzz of the four generation endpoints on a DeepSeek-V4 server, a dense one and a
+dense one with a chat template: bodies mutated in type (every known field), depth, size and
+unicode (raw invalid bytes too), with fields deleted and duplicated and odd schemas in tools
+and structured output, never get a 5xx, and every error comes in its protocol's shape."""
 
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ from tests.conftest import TINY_SERVED_NAME, V4_SERVED_NAME, LiveServer
 
 # (a longer hunt: DEEPINFER_FUZZ_SEED=... DEEPINFER_FUZZ_BODIES=500)
 SEED = int(os.environ.get("DEEPINFER_FUZZ_SEED", "20261201"))
-BODIES_PER_ENDPOINT = int(
-    os.environ.get("DEEPINFER_FUZZ_BODIES", "48")
-)  # x 4 endpoints x 2 servers
+# random bodies per endpoint and server; then each known field once with a wrong type
+BODIES_PER_ENDPOINT = int(os.environ.get("DEEPINFER_FUZZ_BODIES", "32"))
 TOOL_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
@@ -106,6 +106,36 @@ MARK = "\u2063mark\u2063"
 LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
+# schemas for tools and structured output that a grammar compiler may choke on
+SCHEMAS = [
+    {"type": "string", "pattern": "("}, {"type": "string", "pattern": "a{99999}"},
+    {"type": "integer", "minimum": 5, "maximum": 1}, {"enum": []}, {"$ref": "#/$defs/nope"},
+    {"type": "array", "minItems": 10**9}, {"type": "string", "maxLength": -1}, {"anyOf": []},
+    {"type": ["string", "null"]}, {"type": "string", "format": "email"}, {"not": {}},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"const": {"a": [1, None]}}, {"type": "number", "multipleOf": 0}, {"type": "frob"},
+    {"type": "object", "additionalProperties": False, "required": ["missing"]},
+    {"type": "string", "enum": ["a" * 5000]}, {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    {"type": "object", "patternProperties": {"(": {}}}, True, False, [], "string",
+]  # fmt: skip
+
+
+def with_schema(rng: random.Random, body: dict) -> None:
+    """A weird schema in a tool, or as structured output (strict or not)."""
+    schema = copy.deepcopy(rng.choice(SCHEMAS))
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools and isinstance(tools[0], dict) and rng.random() < 0.5:
+        holder = tools[0].get("function", tools[0])
+        if isinstance(holder, dict):
+            holder["input_schema" if "input_schema" in holder else "parameters"] = schema
+            return
+    named = {"name": "out", "schema": schema, "strict": rng.random() < 0.5}
+    if "messages" in body and "system" not in body:  # chat completions
+        body["response_format"] = {"type": "json_schema", "json_schema": named}
+    elif "input" in body:
+        body["text"] = {"format": {"type": "json_schema", **named}}
+
+
 def paths(node: Any, prefix: tuple = ()) -> list[tuple]:
     out = [prefix] if prefix else []
     if isinstance(node, dict):
@@ -129,8 +159,10 @@ def mutate(rng: random.Random, base: dict, bounded: bool) -> bytes:
     body = copy.deepcopy(base)
     if rng.random() < 0.3:
         body["stream"] = True
+    if rng.random() < 0.25:
+        with_schema(rng, body)
     raw_splice: bytes | None = None
-    for _ in range(rng.choice([1, 1, 2, 3])):
+    for _ in range(rng.choice([0, 1, 1, 2, 3])):
         kind = rng.choice(["type", "type", "delete", "duplicate", "deep", "size", "unicode", "raw"])
         candidates = paths(body)
         if kind in ("size", "unicode"):  # mostly into text, where weird text is still valid
@@ -171,6 +203,17 @@ def mutate(rng: random.Random, base: dict, bounded: bool) -> bytes:
     return data
 
 
+def wrong_type(rng: random.Random, base: dict, where: tuple, bounded: bool) -> bytes:
+    body = copy.deepcopy(base)
+    value = parent(body, where)[where[-1]]
+    wrong = [w for w in WRONG if type(w) is not type(value)]
+    parent(body, where)[where[-1]] = copy.deepcopy(rng.choice(wrong))
+    for key in LENGTH_KEYS:
+        if bounded and key in base and body.get(key) is None:
+            body[key] = 2
+    return orjson.dumps(body)
+
+
 def check_shape(path: str, status: int, text: str) -> str | None:
     """What is wrong with the answer, or None."""
     if status >= 500:
@@ -200,6 +243,11 @@ async def fuzz(url: str, model: str) -> tuple[list[str], Counter[int]]:
         (path, mutate(rng, base, path != "/v1/messages"))
         for path, base in bases(model).items()
         for _ in range(BODIES_PER_ENDPOINT)
+    ]
+    jobs += [  # and every known field, at any depth, once with a wrong type
+        (path, wrong_type(rng, base, where, path != "/v1/messages"))
+        for path, base in bases(model).items()
+        for where in paths(base)
     ]
     limit = asyncio.Semaphore(8)
     failures: list[str] = []
