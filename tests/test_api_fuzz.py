@@ -103,6 +103,7 @@ UNICODE = ["\u202e\u2066x\u2069", "\x00", "e\u0301\u0301", "\U0010ffff", "\ud7ff
 # raw byte strings spliced over a string value: lone surrogates, invalid UTF-8, escaped NUL
 RAW = [b'"\\ud800"', b'"a\\udc00b"', b'"\xed\xa0\x80"', b'"\xff\xfe"', b'"\\u0000"', b'"\xc3"']
 MARK = "\u2063mark\u2063"
+CLIENT_TIMEOUT_S = 30
 LENGTH_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -252,7 +253,7 @@ async def fuzz(url: str, model: str) -> tuple[list[str], Counter[int]]:
     limit = asyncio.Semaphore(8)
     failures: list[str] = []
     statuses: Counter[int] = Counter()
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
 
     async def send(session: aiohttp.ClientSession, path: str, data: bytes) -> None:
         async with limit:
@@ -263,7 +264,9 @@ async def fuzz(url: str, model: str) -> tuple[list[str], Counter[int]]:
             except TimeoutError:
                 status, kind, text = 0, "", ""
         statuses[status] += 1
-        problem = check_shape(path, status, text) if status else "no answer within 30 s"
+        problem = (
+            check_shape(path, status, text) if status else f"no answer within {CLIENT_TIMEOUT_S} s"
+        )
         streamed = status == 200 and kind == "text/event-stream"
         if problem is None and streamed and ('"internal_error"' in text or '"api_error"' in text):
             problem = "an internal error in the stream"
