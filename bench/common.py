@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: random-weight checkpoints, seeded workloads, engine runs, stats."""
+"""Shared benchmark helpers: the dense model spec (checkpoints from daemon.models.checkpoints),
+seeded workloads, engine runs, stats."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any
 import structlog
 import torch
 from tqdm import tqdm
+
+from daemon.models.checkpoints import make_dense_checkpoint
 
 
 def quiet_logs() -> None:
@@ -80,29 +83,26 @@ def make_checkpoint(spec: ModelSpec, root: Path | None = None, seed: int = 0) ->
 
     No eos token: nothing can stop a generation before its length limit.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if root is None:
         root = Path(tempfile.mkdtemp(prefix="deepinfer-bench-"))
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-    path = Path(root)
-    config = LlamaConfig(
+    return make_dense_checkpoint(
+        Path(root),
+        "llama",
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
+        layers=spec.num_layers,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        seed=seed,
         intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
+        initializer_range=0.02,  # transformers' default, not the tests' peaked 0.2
         bos_token_id=None,
         eos_token_id=None,
-        pad_token_id=None,
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    return path
 
 
 # ---- workload -------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ V4_FLASH_SNAPSHOT_BYTES = 43 * 127 * 512 * 2  # layers x (window - 1) x head_dim
 
 
 def make_v4_checkpoint() -> Path:
-    from tests.checkpoints import make_v4_checkpoint as make
+    from daemon.models.checkpoints import make_v4_checkpoint as make
 
     root = Path(tempfile.mkdtemp(prefix="deepinfer-bench-v4-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)

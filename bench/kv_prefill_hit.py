@@ -89,7 +89,7 @@ def pool_gb(model_dir: Path, tokens: int, block_size: int, max_num_seqs: int) ->
 def checkpoint(args: argparse.Namespace, root: Path) -> tuple[Path, int, str]:
     if args.v4:
         from bench.v4_replay import V4_REPLAY
-        from tests.checkpoints import make_v4_checkpoint
+        from daemon.models.checkpoints import make_v4_checkpoint
 
         c = V4_REPLAY | dict(max_position_embeddings=max(20480, args.prompt_len + 16))
         path = make_v4_checkpoint(root, weight_scale=0.1, **c)

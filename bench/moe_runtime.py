@@ -94,7 +94,7 @@ def _rank(checkpoint: str, size: int, rank: int, port: int, queue) -> None:
 
 
 def rebalance_time(checkpoint: Path, size: int) -> dict:
-    from tests.daemons import free_port
+    from daemon.api.live_server import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

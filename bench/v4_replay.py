@@ -116,7 +116,7 @@ def put_back(engine: Any, stash: dict[bytes, Any]) -> None:
 async def bench(args: argparse.Namespace) -> None:
     from daemon.build import build_engine
     from daemon.config import EngineConfig
-    from tests.checkpoints import make_v4_checkpoint
+    from daemon.models.checkpoints import make_v4_checkpoint
 
     quiet_logs()
     need = max(args.prefix) + args.new_tokens + 1

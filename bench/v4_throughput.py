@@ -64,7 +64,7 @@ V4_BENCH = dict(
 
 
 def make_bench_checkpoint(root: Path, weight_scale: float = 0.05, **overrides: Any) -> Path:
-    from tests.checkpoints import make_v4_checkpoint
+    from daemon.models.checkpoints import make_v4_checkpoint
 
     return make_v4_checkpoint(root, weight_scale=weight_scale, **(V4_BENCH | overrides))
 

