@@ -439,7 +439,7 @@ def test_auto_reads_calls_from_the_output(served: tuple[LiveServer, OpenAI, str]
                 ],
                 "tool_choice": "required",
             },
-            None,  # the schema does not compile
+            "tools",  # the schema does not compile
         ),
     ],
 )
@@ -484,3 +484,32 @@ def test_odd_history_is_never_a_5xx(served: tuple[LiveServer, OpenAI, str], mess
         status = e.code
         assert json.loads(e.read())["error"]["type"] == "invalid_request_error"
     assert status in (200, 400)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_forced_call_strings_hold_no_control_characters(parser: str) -> None:
+    """Length-bounded argument strings stay JSON (xgrammar's own schema element lets raw
+    control characters into them), and the tag holds the bound."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from daemon.api.dense_tool_grammar import forced_calls_tag
+
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 4}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    grammar = xgr.Grammar.from_structural_tag(forced_calls_tag(parser, [tool], single=True))
+    key = "arguments" if parser == "hermes" else "parameters"
+
+    def call(city: str) -> str:
+        text = '{"name": "f", "' + key + '": {"city": "' + city + '"}}'  # raw, not escaped
+        return f"<tool_call>\n{text}\n</tool_call>" if parser == "hermes" else text
+
+    assert _is_grammar_accept_string(grammar, call("Rome"))
+    assert not _is_grammar_accept_string(grammar, call("Romes"))
+    for raw in ("\t", "\x01"):
+        assert not _is_grammar_accept_string(grammar, call("R" + raw)), repr(raw)

@@ -229,7 +229,10 @@ async def _forced_calls(state: ApiState, parser: str, tools: ToolRequest) -> Gra
     """tool_choice required or named: the output is calls in the template's format."""
     assert state.constraints is not None  # a chat template implies a tokenizer
     single = tools.choice == "named" or not tools.parallel
-    tag = forced_calls_tag(parser, tools.forced_tools(), single=single)
+    try:
+        tag = forced_calls_tag(parser, tools.forced_tools(), single=single)
+    except (ValueError, RuntimeError) as e:  # a parameter schema xgrammar refuses
+        raise bad_request(f"the tools' parameters cannot be compiled: {e}", "tools") from None
     return Grammar(await state.constraints.compile("structural_tag", tag))
 
 

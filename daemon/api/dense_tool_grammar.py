@@ -8,19 +8,19 @@ from typing import Any
 
 from xgrammar.structural_tag import (
     Format,
-    JSONSchemaFormat,
+    GrammarFormat,
     StructuralTag,
     TagFormat,
     TagsWithSeparatorFormat,
 )
+
+from daemon.api.json_schema import ebnf
 
 # parser -> (text before the name, between the name and the arguments, after them, separator)
 _LAYOUT = {
     "hermes": ('<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>", "\n"),
     "llama3_json": ('{"name": ', ', "parameters": ', "}", "; "),
 }
-# Runs of whitespace inside the arguments are capped, so that sampling cannot loop on them.
-_MAX_WHITESPACE = 2
 
 
 def forced_calls_tag(parser: str, tools: list[dict[str, Any]], *, single: bool) -> str:
@@ -30,10 +30,9 @@ def forced_calls_tag(parser: str, tools: list[dict[str, Any]], *, single: bool) 
     tags = [
         TagFormat(
             begin=before + json.dumps(fn["name"]) + middle,
-            content=JSONSchemaFormat(
-                json_schema=fn.get("parameters") or {"type": "object"},
-                max_whitespace_cnt=_MAX_WHITESPACE,
-            ),
+            # laid out as json.dumps writes it: no whitespace runs to loop on, and strings
+            # as JSON allows them (xgrammar's own lets control characters into bounded ones)
+            content=GrammarFormat(grammar=ebnf(fn.get("parameters") or {"type": "object"})),
             end=after,
         )
         for fn in (t["function"] for t in tools)
