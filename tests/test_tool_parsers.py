@@ -112,12 +112,33 @@ def test_llama3_json_malformed_is_plain_text(text: str) -> None:
         ("llama3_json", "  <|python_tag|>" + LLAMA_TWO),
         ("llama3_json", "Just words {with braces}"),
         ("llama3_json", '{"name": "f"'),
+        (
+            "llama3_json",
+            '{"name": "f", "parameters": {"s": "a \\" } ]{ ; \\\\"}}; {"name": "g", "arguments": {}}',
+        ),
     ],
 )
 def test_streamed_equals_whole(name: str, text: str, step: int) -> None:
     whole, streamed = parse(name, text), _streamed(name, text, step)
     assert streamed.content == whole.content
     assert _calls(streamed) == _calls(whole)
+
+
+def test_llama3_json_stream_scans_each_character_once() -> None:
+    """A long call fed 4 characters at a time is scanned in linear time, not from its '{' on every feed."""
+    args = {"text": 'x \\" {[' * 2500}
+    text = (
+        json.dumps({"name": "f", "parameters": args})
+        + "; "
+        + json.dumps({"name": "g", "parameters": {}})
+    )
+    parser = stream_parser("llama3_json")
+    events = []
+    for i in range(0, len(text), 4):
+        events += parser.feed(text[i : i + 4])
+    events += parser.finish()
+    assert [(e.name, json.loads(e.arguments)) for e in events] == [("f", args), ("g", {})]
+    assert len(text) > 20_000 and parser.scanned <= len(text)
 
 
 def test_stream_emits_text_before_calls_early() -> None:

@@ -169,6 +169,8 @@ class Llama3JsonParser:
     pos: int = 0  # in calls mode: where the next object begins in buf
     called: bool = False
     failed: bool = False
+    scan: _ObjectScan | None = None  # the object being read, kept across feeds
+    scanned: int = 0  # characters read by object scans so far
 
     def feed(self, text: str) -> list[Event]:
         if self.mode == "text":
@@ -209,9 +211,14 @@ class Llama3JsonParser:
             if self.buf[i] != "{":
                 self.failed = True
                 break
-            end = _object_end(self.buf, i)
+            if self.scan is None or self.scan.start != i:
+                self.scan = _ObjectScan(i)
+            end = self.scan.end(self.buf)
+            self.scanned += self.scan.scanned
+            self.scan.scanned = 0
             if end is None:
                 break
+            self.scan = None
             call = _call(_loads(self.buf[i:end]), ("parameters", "arguments"))
             if call is None:
                 self.failed = True
@@ -227,24 +234,44 @@ class Llama3JsonParser:
         return i
 
 
-def _object_end(text: str, start: int) -> int | None:
-    """The index just past the JSON object that opens at text[start], or None if not closed."""
-    depth, in_str, escape = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_str:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
+@dataclass
+class _ObjectScan:
+    """Finds where the JSON object opening at buf[start] closes; the state is kept between
+    calls so a growing buffer is read once, not from `start` again on every chunk."""
+
+    start: int
+    i: int = -1  # the next index to read; -1 until the first call
+    depth: int = 0
+    in_str: bool = False
+    escape: bool = False
+    scanned: int = 0
+
+    def end(self, text: str) -> int | None:
+        """The index just past the object, or None if `text` does not close it yet."""
+        i = self.start if self.i < 0 else self.i
+        depth, in_str, escape = self.depth, self.in_str, self.escape
+        n = len(text)
+        first = i
+        found: int | None = None
+        while i < n:
+            c = text[i]
+            i += 1
+            if in_str:
+                if escape:
+                    escape = False
+                elif c == "\\":
+                    escape = True
+                elif c == '"':
+                    in_str = False
             elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                in_str = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    found = i
+                    break
+        self.i, self.depth, self.in_str, self.escape = i, depth, in_str, escape
+        self.scanned += i - first
+        return found
