@@ -211,3 +211,42 @@ def test_a_start_that_cannot_honour_max_model_len_says_so(tiny_model_dir: Path) 
     assert engine.max_model_len == supported < 10**8
     pool = warnings["kv_pool_below_max_model_len"]
     assert pool["kv_capacity_tokens"] == engine.kv.capacity_tokens() < supported
+
+
+def test_an_admin_socket_whose_listener_does_not_accept_is_in_use(tmp_path: Path) -> None:
+    """A daemon stopped (SIGSTOP) with its backlog full: the probe gives up at once, where a
+    blocking connect would hang the start for as long as that daemon stays stopped."""
+    import threading
+
+    from daemon.api.admin import bind_admin
+    from daemon.startup import StartupError
+
+    path = tmp_path / "admin.sock"
+    with contextlib.ExitStack() as stack:
+        stopped = stack.enter_context(socket.socket(socket.AF_UNIX))
+        stopped.bind(str(path))
+        stopped.listen(0)
+        while True:  # fill its backlog: nobody accepts
+            client = stack.enter_context(socket.socket(socket.AF_UNIX))
+            client.setblocking(False)
+            try:
+                client.connect(str(path))
+            except BlockingIOError:
+                break
+        outcome: list[BaseException | None] = []
+
+        def probe() -> None:
+            try:
+                bind_admin(str(path)).close()
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        thread.join(5)
+        assert outcome, "the probe of a listener that does not accept hung"
+        assert isinstance(outcome[0], StartupError)
+        reason = "another process is listening on it"
+        assert str(outcome[0]) == f"cannot create the admin socket {path}: {reason}"
+        assert path.exists()

@@ -19,6 +19,7 @@ from daemon.startup import StartupError, failing_as
 
 routes = web.RouteTableDef()
 ADMIN: web.AppKey[ApiState] = web.AppKey("deepinfer_admin", ApiState)
+PROBE_TIMEOUT_S = 1.0  # how long a socket left at the admin path gets to answer
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -148,10 +149,17 @@ def _remove_stale(path: str) -> None:
     if not stat.S_ISSOCK(mode):
         raise StartupError(f"cannot create the admin socket {path}: it exists and is not a socket")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        # a listener that does not accept (a stopped daemon, its backlog full) is in use too;
+        # a blocking connect would wait on it for as long as it stays stopped
+        probe.settimeout(PROBE_TIMEOUT_S)
         try:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
             pass  # nobody listens: stale
+        except (BlockingIOError, TimeoutError):
+            raise StartupError(
+                f"cannot create the admin socket {path}: another process is listening on it"
+            ) from None
         else:
             raise StartupError(
                 f"cannot create the admin socket {path}: another process is listening on it"
