@@ -250,3 +250,56 @@ def test_an_admin_socket_whose_listener_does_not_accept_is_in_use(tmp_path: Path
         reason = "another process is listening on it"
         assert str(outcome[0]) == f"cannot create the admin socket {path}: {reason}"
         assert path.exists()
+
+
+async def test_a_sigterm_as_the_start_hands_over_its_sockets_leaks_nothing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM just after the sockets pass to the server (ExitStack.pop_all) goes to the
+    handler the daemon had before (here one that notes it), not to the start's own: the daemon
+    serves, and the next SIGTERM stops it, sockets and admin socket file gone; it used to return
+    at once, leaving them (and the built engine) behind."""
+    import asyncio
+    import os
+    import signal
+
+    import aiohttp
+
+    from daemon.api.server import serve
+    from daemon.config import EngineConfig, ServerConfig
+    from daemon.settings import Settings
+
+    pop_all = contextlib.ExitStack.pop_all
+
+    def pop_all_then_sigterm(self: contextlib.ExitStack) -> contextlib.ExitStack:
+        popped = pop_all(self)
+        signal.raise_signal(signal.SIGTERM)
+        return popped
+
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: noted.append(signum))
+    monkeypatch.setattr(contextlib.ExitStack, "pop_all", pop_all_then_sigterm)
+    admin, port = tmp_path / "admin.sock", free_port()
+    settings = Settings(
+        engine=EngineConfig(model=str(tiny_model_dir), kv_cache_memory_gb=0.02),
+        server=ServerConfig(port=port, admin_socket=str(admin)),
+    )
+    try:
+        served = asyncio.create_task(serve(settings))
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                assert not served.done(), "the daemon stopped on a SIGTERM it had handed on"
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+        monkeypatch.undo()
+        assert noted == [signal.SIGTERM]
+        os.kill(os.getpid(), signal.SIGTERM)  # now the serving daemon's own handler
+        assert await asyncio.wait_for(served, 60) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not admin.exists()
+    with socket.socket() as again:  # the port is free again
+        again.bind(("127.0.0.1", port))

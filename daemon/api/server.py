@@ -191,6 +191,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     # port or an unusable socket path stops the start at once. A SIGTERM meanwhile stops the
     # start, closing them (and removing the admin socket's file) on the way out.
     previous = signal.signal(signal.SIGTERM, _stop_starting)
+    engine = None
     try:
         with contextlib.ExitStack() as unused:
             socks = [unused.enter_context(s) for s in bind_tcp(server_cfg.host, server_cfg.port)]
@@ -199,8 +200,14 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
                 unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
             engine, name = build_engine(engine_cfg)
+            # restored first: past pop_all no _StopStarting could reach the `except` below
+            # with the sockets already out of the stack
+            signal.signal(signal.SIGTERM, previous)
             unused.pop_all()  # the sites own them from here
     except _StopStarting:
+        signal.signal(signal.SIGTERM, previous)
+        if engine is not None:  # built, not started: its I/O threads
+            await engine.stop()
         log.info("stopped", during="startup")
         return 0
     finally:
