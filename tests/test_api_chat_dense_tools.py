@@ -486,6 +486,35 @@ def test_odd_history_is_never_a_5xx(served: tuple[LiveServer, OpenAI, str], mess
     assert status in (200, 400)
 
 
+def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) -> None:
+    """The forced-calls tag (an xgrammar grammar per tool) is built in the grammar worker, keyed
+    by the tools' JSON, so a repeated request builds nothing on the event loop."""
+    import asyncio
+
+    from daemon.api.constraints import Constraints
+    from daemon.api.errors import ApiError
+    from daemon.tokenizer import TextTokenizer
+
+    path = make_dense_checkpoint(tmp_path, with_tokenizer=True)
+    tok = TextTokenizer(path, {})
+    constraints = Constraints(tok, tok.vocab_size, (0,))
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]
+
+    async def main() -> None:
+        first = await constraints.for_forced_calls("hermes", TOOLS, single=False)
+        again = await constraints.for_forced_calls("hermes", TOOLS, single=False)
+        one = await constraints.for_forced_calls("llama3_json", TOOLS[:1], single=True)
+        assert first.compiled is again.compiled and one.compiled is not first.compiled
+        with pytest.raises(ApiError) as e:
+            await constraints.for_forced_calls("hermes", bad, single=False)
+        assert e.value.param == "tools" and "cannot be compiled" in e.value.message
+
+    asyncio.run(main())
+    kinds = [kind for kind, _ in constraints._cache]
+    assert kinds == ["dense_tools:hermes", "dense_tools:llama3_json:one"]
+    constraints.close()
+
+
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
 def test_forced_call_strings_hold_no_control_characters(parser: str) -> None:
     """Length-bounded argument strings stay JSON (xgrammar's own schema element lets raw

@@ -16,7 +16,6 @@ from daemon.api import access
 from daemon.api.cache_options import cache_options, prompt_tokens_details
 from daemon.api.completions_protocol import MAX_N
 from daemon.api.constraints import Grammar
-from daemon.api.dense_tool_grammar import forced_calls_tag
 from daemon.api.dense_tools import ToolRequest, tool_request
 from daemon.api.errors import ApiError, bad_request, unavailable
 from daemon.api.fanout import FanOut, sample_jobs, submit_all
@@ -229,11 +228,7 @@ async def _forced_calls(state: ApiState, parser: str, tools: ToolRequest) -> Gra
     """tool_choice required or named: the output is calls in the template's format."""
     assert state.constraints is not None  # a chat template implies a tokenizer
     single = tools.choice == "named" or not tools.parallel
-    try:
-        tag = forced_calls_tag(parser, tools.forced_tools(), single=single)
-    except (ValueError, RuntimeError) as e:  # a parameter schema xgrammar refuses
-        raise bad_request(f"the tools' parameters cannot be compiled: {e}", "tools") from None
-    return Grammar(await state.constraints.compile("structural_tag", tag))
+    return await state.constraints.for_forced_calls(parser, tools.forced_tools(), single=single)
 
 
 def _deltas(ch: _Choice, out: RequestOutput) -> list[dict]:

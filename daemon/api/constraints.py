@@ -14,6 +14,7 @@ import deepseek_recipe as dr
 import structlog
 import xgrammar as xgr
 
+from daemon.api.dense_tool_grammar import forced_calls_tag
 from daemon.api.errors import bad_request
 from daemon.api.json_schema import ANNOTATIONS, ebnf, unenforced
 from daemon.api.tool_grammar import MARKER, tool_call_tag
@@ -27,6 +28,7 @@ log = structlog.get_logger(__name__)
 TOOL_KINDS = ("tool_call", "tool_call_required", "tool_call_any")
 ENFORCED_KINDS = ("json", "regex", *TOOL_KINDS)
 _ONE = ":one"  # kind suffix: at most one tool call
+_DENSE_TOOLS = "dense_tools:"  # kind prefix: forced calls in a dense tool parser's format
 _JSON_OBJECT = {"type": "object"}
 _TOOL_TOP = frozenset(
     {"type", "properties", "required", "additionalProperties", "$defs", "definitions"}
@@ -79,7 +81,8 @@ class Constraints:
 
     async def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         """kind: json (source: a JSON schema, or "" for any JSON object) | regex | one of
-        TOOL_KINDS, with ":one" for at most one call (source: the recipe's tool list).
+        TOOL_KINDS, with ":one" for at most one call (source: the recipe's tool list) |
+        "dense_tools:<parser>", with ":one" for exactly one call (source: the tools' JSON).
         400 if invalid."""
         key = (kind, source)
         fut = self._cache.get(key)
@@ -95,7 +98,19 @@ class Constraints:
             return await asyncio.shield(fut)
         except (ValueError, RuntimeError) as e:
             self._cache.pop(key, None)
+            if kind.startswith(_DENSE_TOOLS):  # a parameter schema xgrammar refuses
+                raise bad_request(
+                    f"the tools' parameters cannot be compiled: {e}", "tools"
+                ) from None
             raise bad_request(f"the output constraint cannot be compiled: {e}") from None
+
+    async def for_forced_calls(
+        self, parser: str, tools: list[dict[str, Any]], *, single: bool
+    ) -> Grammar:
+        """Dense tool_choice required or named: calls in `parser`'s format and nothing else,
+        of one of `tools` each (exactly one call when `single`)."""
+        kind = _DENSE_TOOLS + parser + (_ONE if single else "")
+        return Grammar(await self.compile(kind, json.dumps(tools)))
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         if kind == "json":
@@ -112,8 +127,9 @@ class Constraints:
                 marker_id=self.marker_id,
             )
             return self.compiler.compile_structural_tag(json.dumps(tag))
-        if kind == "structural_tag":  # source: a structural tag's JSON (dense tool calls)
-            return self.compiler.compile_structural_tag(source)
+        if kind.startswith(_DENSE_TOOLS):  # source: the forced tools' JSON
+            tag = forced_calls_tag(base.removeprefix(_DENSE_TOOLS), json.loads(source), single=one)
+            return self.compiler.compile_structural_tag(tag)
         raise ValueError(f"unsupported constraint kind {kind!r}")
 
     async def for_response_format(self, fmt: Any) -> Grammar | None:
