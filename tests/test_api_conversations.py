@@ -257,3 +257,15 @@ def test_chat_logit_bias(v4_api_server) -> None:
         extra_body=NO_THINK,
     )
     assert r.choices[0].message.content == " hello" * 3
+
+
+def test_chat_bad_logit_bias_is_400(v4_api_server) -> None:
+    import openai
+
+    client = OpenAI(base_url=v4_api_server.base_url, api_key="x", max_retries=0)
+    for bias in ({"7" * 5000: 1}, {"5": 101}, [1]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=M, messages=USER, max_tokens=1, logit_bias=bias, extra_body=NO_THINK
+            )
+        assert e.value.body["param"] == "logit_bias"

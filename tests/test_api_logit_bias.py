@@ -52,6 +52,8 @@ def test_minus_100_bans_a_token(client: OpenAI, api_server) -> None:
         {"5": "1"},
         {"5": True},
         {"999999999": 1},
+        {"7" * 5000: 1},  # int() refuses a number this long
+        {str(i): 1 for i in range(1025)},
         [1, 2],
         "5",
     ],

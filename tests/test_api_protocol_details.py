@@ -253,3 +253,18 @@ async def test_count_tokens_bad_bodies(v4_api_server, body: dict, status: int) -
         if status == 400:
             assert payload["type"] == "error"
             assert payload["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "extra", [{"max_completion_tokens": "x"}, {"messages": [{"role": "developer"}]}]
+)
+async def test_tokenize_messages_bad_bodies(v4_api_server, extra: dict) -> None:
+    """/tokenize adapts a chat body as chat completions does, and its mistakes are 400s."""
+    body = {"model": V4_SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]} | extra
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(v4_api_server.url + "/tokenize", json=body) as r,
+    ):
+        payload = await r.json()
+        assert r.status == 400, payload
+        assert payload["error"]["type"] == "invalid_request_error"

@@ -14,12 +14,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from daemon.api.dense_tools import ToolRequest, tool_request
 from daemon.api.errors import ApiError, bad_request
-from daemon.api.tool_parsers import PARSERS
 from daemon.tokenizer import TextTokenizer
 
 # As OpenAI lists them (its error message names them in this order).
 ROLES = ("system", "assistant", "user", "function", "tool", "developer")
-TOOL_PARSER_SETTINGS = ("auto", "none", *PARSERS)
 
 
 @dataclass

@@ -97,6 +97,9 @@ def get_int_list(body: JsonObject, name: str) -> list[int]:
     return value
 
 
+MAX_LOGIT_BIAS = 1024  # entries: each costs a little host work in every step the request samples
+
+
 def get_logit_bias(body: JsonObject, name: str = "logit_bias") -> dict[int, float]:
     """OpenAI's `logit_bias`: token id (a decimal string) -> bias in [-100, 100]."""
     value = body.get(name)
@@ -104,9 +107,11 @@ def get_logit_bias(body: JsonObject, name: str = "logit_bias") -> dict[int, floa
         return {}
     if not isinstance(value, dict):
         raise bad_request(f"'{name}' must be an object, got {_kind(value)}", name)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'{name}' holds at most {MAX_LOGIT_BIAS} tokens", name)
     bias: dict[int, float] = {}
     for key, v in value.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise bad_request(f"'{name}' keys must be token ids, got {key[:32]!r}", name)
         if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
             raise bad_request(f"'{name}' values must be numbers in [-100, 100]", name)

@@ -225,6 +225,8 @@ class PrefixCache:
     def chunk_limit(self, req: Request, n: int) -> int:
         """At most `n` tokens for the request's next chunk, ending where the SWA ring still
         holds the window before its next snapshot boundary (one block past it)."""
+        if not req.swa_marks:
+            return n
         after = [m for m in req.swa_marks if m > req.num_computed]
         return min(n, after[0] + self.block - req.num_computed) if after else n
 
@@ -323,6 +325,8 @@ class PrefixCache:
         req.swa_marks = [m for m in req.swa_marks if m > end]
         if leaving:
             due.add(min(end, req.num_known_tokens) // self.block * self.block)
+        if not due:
+            return
         keys = self.keys(req)
         for position in sorted(due):
             index = position // self.block - 1

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import deepseek_recipe as dr
 
 from daemon.loop.request import SamplingParams
-from daemon.recipe.bodies import chat_body, messages_body
+from daemon.recipe.bodies import Body, chat_body, messages_body
 from daemon.tokenizer import TextTokenizer
 
 Generator = dr.ChatCompletionChunkGenerator | dr.ResponsesChunkGenerator | dr.MessagesChunkGenerator
@@ -107,15 +109,18 @@ class RecipeCodec:
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """The prompt ids of a Chat Completions body (for /tokenize)."""
-        return self._encode(CHAT, chat_body(body))
+        return self._encode(CHAT, body, chat_body)
 
     def count_messages(self, body: dict[str, Any]) -> int:
         """The prompt tokens of a Messages body, which needs no `max_tokens` (count_tokens)."""
-        return len(self._encode(MESSAGES, messages_body(body, counting=True)))
+        return len(self._encode(MESSAGES, body, partial(messages_body, counting=True)))
 
-    def _encode(self, protocol: Protocol, body: dict[str, Any]) -> list[int]:
+    def _encode(
+        self, protocol: Protocol, body: dict[str, Any], adapt_body: Callable[[Body], Body]
+    ) -> list[int]:
         try:
-            conv = protocol.request_cls(body).convert(self.options[protocol.name])
+            request = protocol.request_cls(adapt_body(body))
+            conv = request.convert(self.options[protocol.name])
             return self.encoding.encode(conv.conversation)
         except (dr.ConversionError, ValueError) as e:
             raise CodecError(str(e)) from None
