@@ -249,3 +249,48 @@ async def test_reads_past_their_deadline_are_misses(tmp_path: Path) -> None:
         assert [e["event"] for e in logs] == ["kv_store_io_stuck"]
     finally:
         hung.set()
+
+
+async def test_stopping_the_engine_keeps_the_loop_running_past_stuck_io_threads(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Closing the store waits up to `read_timeout_s` for I/O threads stuck in the file system:
+    off the event loop, which meanwhile goes on serving (other requests, the admin socket)."""
+    import asyncio
+    import threading
+    import time
+
+    from daemon.build import build_engine
+    from daemon.config import EngineConfig
+
+    cfg = EngineConfig(
+        model=str(tiny_model_dir), kv_cache_memory_gb=0.02, kv_store_dir=str(tmp_path / "store")
+    )
+    engine, _ = build_engine(cfg)
+    store = engine.scheduler.prefix.store
+    store.read_timeout_s = 1.0
+    await engine.start()
+    hung = threading.Event()
+    for _ in range(64):  # more than it has threads: every one stuck
+        store.pool.submit(hung.wait)
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        with capture_logs() as logs:
+            start = time.monotonic()
+            await asyncio.wait_for(engine.stop(), 10)
+        assert time.monotonic() - start >= 0.9  # it did wait for the stuck threads
+        assert "kv_store_io_stuck" in [e["event"] for e in logs]
+        assert len(gaps) > 20 and max(gaps) < 0.5, f"the event loop stood still: {gaps}"
+    finally:
+        ticker.cancel()
+        hung.set()

@@ -138,7 +138,7 @@ class Engine:
         store = self.scheduler.prefix.store if self.scheduler.prefix else None
         if store is not None:
             await store.flush()  # finished work is kept
-            store.close()
+            await asyncio.to_thread(store.close)  # waits on stuck I/O threads: off the loop
 
     # ---- requests -----------------------------------------------------------------------
 
