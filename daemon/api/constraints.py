@@ -146,12 +146,9 @@ class Constraints:
         if kind == "json_object":
             return Grammar(await self.compile("json", ""))
         if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
+            schema = _format_schema(fmt.get("json_schema"), "response_format")
+            if schema is None:
                 raise bad_request("'response_format.json_schema.schema' must be an object")
-            if spec.get("strict") is True:
-                check_strict(schema, "response_format")
             return Grammar(await self.compile("json", json.dumps(schema)))
         if kind == "regex" and isinstance(fmt.get("regex"), str):
             return Grammar(await self.compile("regex", fmt["regex"]))
@@ -209,17 +206,26 @@ def _client_schema(protocol: str, body: dict[str, Any]) -> tuple[str | None, dic
         return None, body
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(spec, dict):
         return None, body
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
+    schema = _format_schema(spec, param)
+    if schema is None:
         return None, body  # the recipe says what is wrong
-    if spec.get("strict") is True:
-        check_strict(schema, param)
     loose = {k: v for k, v in spec.items() if k != "strict"}
     if protocol == "chat":
         body = body | {"response_format": fmt | {"json_schema": loose}}
     else:
         body = body | {"text": body["text"] | {"format": loose}}
     return json.dumps(schema), body
+
+
+def _format_schema(spec: Any, param: str) -> dict[str, Any] | None:
+    """A json_schema format's schema, checked against what the grammar enforces when it is
+    strict (400 naming `param`); None when `spec` holds no schema object."""
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        return None
+    if spec.get("strict") is True:
+        check_strict(schema, param)
+    return schema
 
 
 def _loose_tools(protocol: str, body: dict[str, Any]) -> dict[str, Any]:
