@@ -108,3 +108,51 @@ async def test_every_disconnected_request_gets_its_access_log_line(api_server, w
     assert not missing, f"no request line for {sorted(missing)}"
     assert {lines[rid]["status"] for rid in ids} == {499}
     assert all(lines[rid]["path"] == "/v1/completions" for rid in ids)
+
+
+async def test_requests_cut_by_the_shutdown_log_503(tiny_model_dir) -> None:
+    """Past the shutdown's grace time the server closes the connections and cancels what
+    still runs: our doing, so 503 in the access log, not 499 (the client did not go away)."""
+    import contextlib
+    import time
+    import uuid
+
+    from structlog.testing import capture_logs
+
+    from daemon.api.live_server import LiveServer
+    from daemon.config import EngineConfig, ServerConfig
+    from tests.conftest import TINY_MAX_MODEL_LEN
+
+    engine_cfg = EngineConfig(
+        model=str(tiny_model_dir), served_model_name=TINY_SERVED_NAME, kv_cache_memory_gb=0.05,
+        max_model_len=TINY_MAX_MODEL_LEN,
+    )  # fmt: skip
+    server = LiveServer(engine_cfg, ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=0.3))
+    server.start()
+    ids = {f"cut-{kind}-{uuid.uuid4().hex[:6]}": kind for kind in ("whole", "stream")}
+
+    async def request(session: aiohttp.ClientSession, rid: str, started: asyncio.Event) -> None:
+        body = LONG | {"stream": ids[rid] == "stream"}
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.post(
+                server.base_url + "/completions", json=body, headers={"X-Request-Id": rid}
+            ) as r:
+                started.set()
+                await r.read()
+
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as session:
+            started = {rid: asyncio.Event() for rid in ids}
+            tasks = [asyncio.create_task(request(session, rid, started[rid])) for rid in ids]
+            await asyncio.wait_for(started[next(r for r in ids if ids[r] == "stream")].wait(), 30)
+            deadline = time.monotonic() + 30
+            while True:  # both are running in the engine
+                async with session.get(server.url + "/health") as r:
+                    if (await r.json())["running"] == 2:
+                        break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(server.stop)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+    assert {rid: lines[rid]["status"] for rid in ids} == dict.fromkeys(ids, 503)

@@ -1,7 +1,8 @@
 """Request ids and the access log: every request gets an id (the client's X-Request-Id or a
 new one) bound to its log lines and echoed back; generation handlers note what the request
 did, and one `request` line per request carries it with the status and duration (499, as
-nginx logs it, for one whose client went away before its answer was done)."""
+nginx logs it, for one whose client went away before its answer was done; 503 for one the
+shutdown cut past its grace time)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from daemon.api.state import STATE
 from daemon.loop.request import Request
 
 log = structlog.get_logger(__name__)
@@ -35,9 +37,10 @@ async def request_id_middleware(
             return await handler(request)
         except asyncio.CancelledError:
             # aiohttp cancels the handler and logs nothing: when the client disconnected, or
-            # at shutdown past the grace time
-            gone = request.transport is None or request.transport.is_closing()
-            log_request(request, CLIENT_CLOSED if gone else 503, time.monotonic() - start)
+            # at shutdown past the grace time (by then it has closed the transport too)
+            state = request.app.get(STATE)
+            cut = state is not None and state.stopping
+            log_request(request, 503 if cut else CLIENT_CLOSED, time.monotonic() - start)
             raise
 
 

@@ -91,6 +91,7 @@ def create_app(
         endpoint.register(app)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stopping)
     app.on_cleanup.append(_stop_engine)
     return app
 
@@ -122,6 +123,11 @@ def is_deepseek_v4(model: object) -> bool:
 
 async def _start_engine(app: web.Application) -> None:
     await app[STATE].engine.start()
+
+
+async def _stopping(app: web.Application) -> None:
+    """Before the server's grace time for running handlers: those it cancels after are ours."""
+    app[STATE].stopping = True
 
 
 async def _stop_engine(app: web.Application) -> None:

@@ -28,6 +28,7 @@ class ApiState:
     api_key: str | None = field(default=None, repr=False)
     metrics: EngineMetrics | None = None
     draining: bool = False  # shutting down: finish what runs, admit nothing new
+    stopping: bool = False  # the server is closing its connections: what it cuts is ours
 
     def check_model(self, model: str) -> None:
         if model != self.served_name:
