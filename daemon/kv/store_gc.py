@@ -55,7 +55,6 @@ class StoreSweeper:
         self.capacity_bytes = capacity_bytes
         self.high, self.low = high_watermark, low_watermark
         self._class_of: dict[int, str] = {}  # inode -> traffic class (a file never changes class)
-        self.last: SweepResult | None = None
 
     def sweep(self, now: float | None = None) -> SweepResult:
         now = time.time() if now is None else now
@@ -82,7 +81,6 @@ class StoreSweeper:
                     survivors.append(block)
             keep = survivors
         result.files, result.bytes = len(keep), sum(b.size for b in keep)
-        self.last = result
         self.store.set_usage(result.files, result.bytes)
         if result.freed_bytes:
             self.store.resume_writes()  # a write that failed for lack of space may fit now
