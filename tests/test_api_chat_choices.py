@@ -4,9 +4,11 @@ their own seeds, one usage over them, streamed by index; a disconnect aborts all
 from __future__ import annotations
 
 import aiohttp
+import orjson
 import pytest
 from openai import OpenAI
 
+from daemon.api.chat_choices import ChunkMerger
 from tests.conftest import V4_SERVED_NAME
 
 M = V4_SERVED_NAME
@@ -71,3 +73,27 @@ async def test_bad_n_is_400(v4_api_server, n: object) -> None:
         session.post(v4_api_server.base_url + "/chat/completions", json=body) as r,
     ):
         assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_one_choice_token_chunks_are_sent_unparsed(include_usage: bool) -> None:
+    """n=1: a chunk without usage goes out as the recipe wrote it; the usage is still moved to
+    a last chunk of no choices (include_usage) or dropped."""
+    head = '{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+    null = ',"usage":null' if include_usage else ""
+    token = head + '{"content":"say \\"usage\\""},"finish_reason":null}]' + null + "}"
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    last = head + '{},"finish_reason":"stop"}],"usage":' + orjson.dumps(usage).decode() + "}"
+    merger = ChunkMerger(1, include_usage)
+    assert merger.chunk(0, token) == token
+    out = merger.chunk(0, last)
+    assert isinstance(out, dict) and out["choices"][0]["finish_reason"] == "stop"
+    assert out.get("usage", "absent") == (None if include_usage else "absent")
+    if include_usage:
+        assert merger.usage_chunk() == orjson.loads(last) | {"choices": [], "usage": usage}
+    else:
+        assert merger.usage_chunk() is None
+    assert (
+        ChunkMerger(1, True).chunk(0, token.replace(null, ""))
+        == token.replace(null, "")[:-1] + ',"usage":null}'
+    )

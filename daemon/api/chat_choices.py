@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 Json = dict[str, Any]
+_NULL_USAGE = ',"usage":null}'  # how the recipe ends a chunk under include_usage
 
 
 def merge_usage(usages: list[Json]) -> Json:
@@ -36,9 +37,11 @@ class ChunkMerger:
     usages: dict[int, Json] = field(default_factory=dict)
     last: Json | None = None  # the usage chunk, once every choice has brought its usage
 
-    def chunk(self, index: int, data: str) -> Json | None:
+    def chunk(self, index: int, data: str) -> str | Json | None:
         """Choice `index`'s chunk (its to_json()) with the index set and its usage taken off
-        (`usage_chunk` sends the sum). None: nothing to send."""
+        (`usage_chunk` sends the sum). None: nothing to send; a str: `data` to send as it is."""
+        if self.n == 1 and (raw := self._as_is(data)) is not None:
+            return raw
         chunk = orjson.loads(data)
         for c in chunk.get("choices") or []:
             c["index"] = index
@@ -51,6 +54,15 @@ class ChunkMerger:
                 merged = merge_usage([self.usages[i] for i in range(self.n)])
                 self.last = chunk | {"choices": [], "usage": merged}
         return chunk if chunk.get("choices") else None
+
+    def _as_is(self, data: str) -> str | None:
+        """A lone choice's chunk that carries no usage, sent without parsing it (the token
+        chunks): the recipe writes choices last, so `}]` before the end means some. None: it
+        must be parsed."""
+        head = data[: -len(_NULL_USAGE)] if data.endswith(_NULL_USAGE) else data[:-1]
+        if not head.endswith("}]") or '"usage"' in head:
+            return None
+        return head + (_NULL_USAGE if self.include_usage else "}")
 
     def usage_chunk(self) -> Json | None:
         """The chunk to send after every choice's last one (`stream_options.include_usage`)."""

@@ -152,7 +152,9 @@ async def _stream(
                         if turn is not None:
                             data = turn.event(name, data)
                         await writer.send_raw(data, name)
-                    elif (chunk := merger.chunk(i, ev.to_json())) is not None:
+                    elif isinstance(chunk := merger.chunk(i, ev.to_json()), str):
+                        await writer.send_raw(chunk)
+                    elif chunk is not None:
                         await writer.send(chunk)
             else:
                 if merger is not None and (usage := merger.usage_chunk()) is not None:
