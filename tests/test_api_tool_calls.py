@@ -218,6 +218,23 @@ def _allowed(matcher, mask) -> list[int]:
     return bits.flatten()[:VOCAB].nonzero().flatten().tolist()
 
 
+def _random_walk(compiled, opening: list[int], rng: random.Random, mask) -> list[int]:
+    """`opening`, then tokens drawn at random among those the grammar allows, until its end
+    (token 1) or 2000 tokens."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    ids = list(opening)
+    assert all(matcher.accept_token(t) for t in ids)
+    while len(ids) < 2000:
+        t = rng.choice(_allowed(matcher, mask))
+        if t == 1:
+            break
+        assert matcher.accept_token(t)
+        ids.append(t)
+    return ids
+
+
 def _conversation(options, tool_choice):
     import deepseek_recipe as dr
 
@@ -252,15 +269,7 @@ def test_auto_grammar_after_the_block_opens_gives_valid_calls(grammar_env) -> No
     rng = random.Random(0)
     mask = xgr.allocate_token_bitmask(1, VOCAB)
     for _ in range(8):
-        matcher = xgr.GrammarMatcher(compiled)
-        ids = list(opening)
-        assert all(matcher.accept_token(t) for t in ids)
-        while len(ids) < 2000:
-            t = rng.choice(_allowed(matcher, mask))
-            if t == 1:
-                break
-            assert matcher.accept_token(t)
-            ids.append(t)
+        ids = _random_walk(compiled, opening, rng, mask)
         choice = _parse(_conversation(options, "auto"), rtok, ids)
         assert choice["finish_reason"] == "tool_calls", choice
         assert choice["message"]["content"] == "Let me check."
@@ -439,15 +448,7 @@ def test_auto_grammar_with_one_call_closes_the_block_after_it(grammar_env) -> No
     rng = random.Random(1)
     mask = xgr.allocate_token_bitmask(1, VOCAB)
     for _ in range(6):
-        matcher = xgr.GrammarMatcher(compiled)
-        ids = list(opening)
-        assert all(matcher.accept_token(t) for t in ids)
-        while len(ids) < 2000:
-            t = rng.choice(_allowed(matcher, mask))
-            if t == 1:
-                break
-            assert matcher.accept_token(t)
-            ids.append(t)
+        ids = _random_walk(compiled, opening, rng, mask)
         choice = _parse(_conversation(options, "auto"), rtok, ids)
         assert choice["finish_reason"] == "tool_calls", choice
         assert len(choice["message"]["tool_calls"]) == 1, choice
