@@ -6,9 +6,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from daemon.api.live_server import LiveServer
-from daemon.config import EngineConfig, ServerConfig
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
 from daemon.models.checkpoints import copy_tokenizer, make_v4_checkpoint
+from daemon.service.live_server import LiveServer
 
 NAME = "bench-v4"
 CHEAPEST_V4 = dict(

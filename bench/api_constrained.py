@@ -13,9 +13,9 @@ import time
 
 from bench.api_common import CHEAPEST_V4, cheapest_v4_checkpoint
 from bench.common import machine, quiet_logs
-from daemon.api.constraints import Constraints
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.api.codecs.constraints import Constraints
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.constraint import GrammarConstraint
 from daemon.loop.engine import Engine
 from daemon.loop.request import SamplingParams

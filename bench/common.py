@@ -149,8 +149,8 @@ def build_ours(
     cpu_threads: int = 0,
     device: str = "cpu",
 ) -> Any:
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     cfg = EngineConfig(
         model=str(path),

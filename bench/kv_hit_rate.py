@@ -158,8 +158,8 @@ async def replay(engine: Any, groups: list[Session], scale: float, block: int) -
 
 
 async def run_config(cfg: RunConfig, path: Path, trace: list[Turn], scale: float) -> RunResult:
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     store_dir = tempfile.mkdtemp(prefix="deepinfer-kvstore-") if cfg.store else None
     try:

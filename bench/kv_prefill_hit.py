@@ -103,8 +103,8 @@ def checkpoint(args: argparse.Namespace, root: Path) -> tuple[Path, int, str]:
 
 
 async def bench(args: argparse.Namespace) -> Results:
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     quiet_logs()
     root = Path(tempfile.mkdtemp(prefix="deepinfer-prefill-hit-"))

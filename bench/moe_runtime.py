@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from bench.common import machine, quiet_logs
 from bench.v4_throughput import make_bench_checkpoint
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.request import SamplingParams
 
 
@@ -94,7 +94,7 @@ def _rank(checkpoint: str, size: int, rank: int, port: int, queue) -> None:
 
 
 def rebalance_time(checkpoint: Path, size: int) -> dict:
-    from daemon.api.live_server import free_port
+    from daemon.service.live_server import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

@@ -103,8 +103,8 @@ def report(title: str, counts: list[OpCount]) -> None:
 
 
 async def eager_steps(args: argparse.Namespace) -> None:
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     path = make_bench_checkpoint(Path(tempfile.mkdtemp(prefix="deepinfer-v4-ops-")))
     engine, _ = build_engine(

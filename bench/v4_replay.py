@@ -114,8 +114,8 @@ def put_back(engine: Any, stash: dict[bytes, Any]) -> None:
 
 
 async def bench(args: argparse.Namespace) -> None:
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
     from daemon.models.checkpoints import make_v4_checkpoint
 
     quiet_logs()

@@ -219,8 +219,8 @@ def work_floor(cfg: V4Config, series: dict[int, Series], args: argparse.Namespac
 async def bench(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     quiet_logs()
     torch.manual_seed(0)

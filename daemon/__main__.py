@@ -2,6 +2,6 @@
 
 import sys
 
-from daemon.cli import main
+from daemon.service.cli import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random-weight Llama and DeepSeek-V4 checkpoints, and live API servers
-serving them in-process (daemon.api.live_server: any event loop or none on the test's side)."""
+serving them in-process (daemon.service.live_server: any event loop or none on the test's side)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.api.live_server import LiveServer
-from daemon.config import EngineConfig, ServerConfig
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
 from daemon.models.checkpoints import copy_tokenizer, make_dense_checkpoint, make_v4_checkpoint
+from daemon.service.live_server import LiveServer
 
 TINY_MAX_MODEL_LEN = 1024
 TINY_SERVED_NAME = "tiny-llama"

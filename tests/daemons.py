@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from daemon.api.live_server import free_port
+from daemon.service.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from daemon.admin_client import call
+from daemon.service.admin_client import call
 from tests.checkpoints import make_v4_checkpoint
 from tests.daemons import ROOT, daemon
 

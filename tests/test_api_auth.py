@@ -93,7 +93,7 @@ def test_the_key_itself_is_served(guarded) -> None:
 LOG_A_TRACEBACK = """
 import logging, sys
 import structlog
-from daemon import logging_setup
+from daemon.service import logs as logging_setup
 logging_setup.setup_logging("info", sys.argv[1], None)
 logging_setup.add_secret(sys.argv[2])
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from openai import BadRequestError, OpenAI
 
-from daemon.config import EngineConfig, ServerConfig
-from daemon.tokenizer import TextTokenizer
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
+from daemon.models.tokenizer import TextTokenizer
 from tests.checkpoints import make_dense_checkpoint
 from tests.conftest import LiveServer
 

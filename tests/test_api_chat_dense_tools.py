@@ -13,8 +13,9 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from daemon.config import EngineConfig, ServerConfig
-from daemon.settings import ConfigError, load_settings
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
+from daemon.service.settings import ConfigError, load_settings
 from tests.checkpoints import make_dense_checkpoint
 from tests.conftest import LiveServer
 
@@ -491,9 +492,9 @@ def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) ->
     by the tools' JSON, so a repeated request builds nothing on the event loop."""
     import asyncio
 
-    from daemon.api.constraints import Constraints
-    from daemon.api.errors import ApiError
-    from daemon.tokenizer import TextTokenizer
+    from daemon.api.codecs.constraints import Constraints
+    from daemon.api.http.errors import ApiError
+    from daemon.models.tokenizer import TextTokenizer
 
     path = make_dense_checkpoint(tmp_path, with_tokenizer=True)
     tok = TextTokenizer(path, {})
@@ -522,7 +523,7 @@ def test_forced_call_strings_hold_no_control_characters(parser: str) -> None:
     import xgrammar as xgr
     from xgrammar.testing import _is_grammar_accept_string
 
-    from daemon.api.dense_tool_grammar import forced_calls_tag
+    from daemon.api.codecs.dense_tool_grammar import forced_calls_tag
 
     params = {
         "type": "object",

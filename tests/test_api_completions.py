@@ -8,7 +8,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from daemon.tokenizer import TextTokenizer
+from daemon.models.tokenizer import TextTokenizer
 
 GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}

@@ -9,7 +9,8 @@ import contextlib
 import aiohttp
 import pytest
 
-from daemon.config import EngineConfig, ServerConfig
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
 from tests.conftest import V4_SERVED_NAME, LiveServer
 
 M = V4_SERVED_NAME

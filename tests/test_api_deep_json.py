@@ -7,7 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
-from daemon.api.state import MAX_JSON_DEPTH
+from daemon.api.http.state import MAX_JSON_DEPTH
 from tests.conftest import TINY_SERVED_NAME, V4_SERVED_NAME
 from tests.test_api_conversation_errors import assert_error_shape
 

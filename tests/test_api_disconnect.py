@@ -119,8 +119,9 @@ async def test_requests_cut_by_the_shutdown_log_503(tiny_model_dir) -> None:
 
     from structlog.testing import capture_logs
 
-    from daemon.api.live_server import LiveServer
-    from daemon.config import EngineConfig, ServerConfig
+    from daemon.api.http.config import ServerConfig
+    from daemon.build.config import EngineConfig
+    from daemon.service.live_server import LiveServer
     from tests.conftest import TINY_MAX_MODEL_LEN
 
     engine_cfg = EngineConfig(

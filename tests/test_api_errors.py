@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from daemon.api.errors import error_middleware
+from daemon.api.http.errors import error_middleware
 from tests.conftest import TINY_MAX_MODEL_LEN, TINY_SERVED_NAME
 
 M = TINY_SERVED_NAME

@@ -18,9 +18,10 @@ import aiohttp
 import orjson
 import pytest
 
-from daemon.api.live_server import LiveServer
-from daemon.config import EngineConfig, ServerConfig
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
 from daemon.models.checkpoints import make_dense_checkpoint
+from daemon.service.live_server import LiveServer
 from tests.conftest import TINY_SERVED_NAME, V4_SERVED_NAME
 
 # (a longer hunt: DEEPINFER_FUZZ_SEED=... DEEPINFER_FUZZ_BODIES=500)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import aiohttp
 from openai import OpenAI
 
-from daemon.api.models import DEMO_DESCRIPTION, model_card
-from daemon.api.state import ApiState
+from daemon.api.http.models import DEMO_DESCRIPTION, model_card
+from daemon.api.http.state import ApiState
 from tests.conftest import TINY_MAX_MODEL_LEN
 
 

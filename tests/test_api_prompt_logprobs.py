@@ -13,7 +13,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from daemon.tokenizer import TextTokenizer
+from daemon.models.tokenizer import TextTokenizer
 from tests.checkpoints import load_reference
 
 CONTEXT = "The quick brown fox jumps over the lazy"

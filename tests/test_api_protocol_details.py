@@ -10,8 +10,8 @@ import anthropic
 import pytest
 from openai import OpenAI
 
-from daemon.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCodec
-from daemon.tokenizer import TextTokenizer
+from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCodec
+from daemon.models.tokenizer import TextTokenizer
 from tests.conftest import V4_SERVED_NAME
 
 M = V4_SERVED_NAME

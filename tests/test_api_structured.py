@@ -13,7 +13,8 @@ import aiohttp
 import jsonschema
 import pytest
 
-from daemon.config import EngineConfig, ServerConfig
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
 from tests.checkpoints import make_dense_checkpoint
 from tests.conftest import V4_SERVED_NAME, LiveServer
 
@@ -131,9 +132,9 @@ async def test_json_schema_stream_ends_properly(v4_api_server) -> None:
 
 def test_grammar_waits_for_end_of_thinking(v4_model_dir) -> None:
     """In thinking mode the grammar takes over only after the end-of-thinking token."""
-    from daemon.api.constraints import Constraints
+    from daemon.api.codecs.constraints import Constraints
     from daemon.loop.constraint import GrammarConstraint, allocate_bitmask
-    from daemon.tokenizer import TextTokenizer
+    from daemon.models.tokenizer import TextTokenizer
 
     tok = TextTokenizer(v4_model_dir, {})
     think_end = tok.tokenizer.token_to_id("</think>")

@@ -202,8 +202,8 @@ def test_messages_named_tool_calls_are_valid(v4_api_server) -> None:
 def grammar_env(v4_model_dir):
     import deepseek_recipe as dr
 
-    from daemon.api.constraints import Constraints
-    from daemon.tokenizer import TextTokenizer
+    from daemon.api.codecs.constraints import Constraints
+    from daemon.models.tokenizer import TextTokenizer
 
     tok = TextTokenizer(v4_model_dir, {})
     constraints = Constraints(tok, VOCAB, (1,))

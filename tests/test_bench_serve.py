@@ -11,7 +11,7 @@ import pytest
 from daemon.benchmark.datasets import scaled_params, trace_sessions
 from daemon.benchmark.metrics import percentile
 from daemon.benchmark.traces import DEFAULTS
-from daemon.cli import main
+from daemon.service.cli import main
 from tests.conftest import LiveServer
 from tests.daemons import free_port
 

@@ -260,8 +260,8 @@ async def test_stopping_the_engine_keeps_the_loop_running_past_stuck_io_threads(
     import threading
     import time
 
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     cfg = EngineConfig(
         model=str(tiny_model_dir), kv_cache_memory_gb=0.02, kv_store_dir=str(tmp_path / "store")

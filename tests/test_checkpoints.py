@@ -41,7 +41,7 @@ import json, sys
 from pathlib import Path
 sys.modules["transformers"] = None  # any import of it now fails
 from safetensors import safe_open
-from daemon.demo import DEMO_CONFIG
+from daemon.build.demo import DEMO_CONFIG
 from daemon.models.checkpoints import copy_tokenizer, make_own_v4_checkpoint
 cfg = DEMO_CONFIG | {"vocab_size": 1024}
 path = copy_tokenizer(make_own_v4_checkpoint(Path(sys.argv[1]), cfg))

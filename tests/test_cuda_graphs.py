@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.kv.spec import FullAttentionSpec
 from daemon.loop.cuda_graphs import DecodeGraphs, StaticInputs, batch_buckets, bucket, width_buckets
 from daemon.loop.request import SamplingParams

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from daemon.build import build_engine
-from daemon.config import EngineConfig
-from daemon.demo import DEMO_NAME, ensure_demo_model
+from daemon.build.config import EngineConfig
+from daemon.build.demo import DEMO_NAME, ensure_demo_model
+from daemon.build.engine import build_engine
 from daemon.loop.request import SamplingParams
 
 

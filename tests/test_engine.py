@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
 from daemon.loop.request import FinishReason, RequestOutput, SamplingParams
 from tests.checkpoints import load_reference, make_dense_checkpoint

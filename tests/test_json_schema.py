@@ -13,7 +13,7 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from daemon.api.json_schema import _FORMAT_PATTERNS, ebnf, unenforced
+from daemon.api.codecs.json_schema import _FORMAT_PATTERNS, ebnf, unenforced
 
 STR = {"type": "string"}
 INT = {"type": "integer"}

@@ -10,8 +10,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
 from daemon.loop.request import Request, SamplingParams
 from tests.checkpoints import make_dense_checkpoint, make_v4_checkpoint
@@ -166,7 +166,7 @@ async def test_damaged_store_files_are_misses_not_errors(dense, tmp_path) -> Non
 async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
     from prometheus_client import generate_latest
 
-    from daemon.metrics import EngineMetrics
+    from daemon.loop.metrics import EngineMetrics
 
     expected, _ = await run(dense, 512, prefix_caching=False)
     with tmpfs(tmp_path / "small", "size=64k") as root:

@@ -111,10 +111,11 @@ async def test_a_failed_engine_exits_the_daemon_and_keeps_finished_work(
     systemd starts a fresh one, where it would otherwise answer 503 until someone restarts it."""
     from structlog.testing import capture_logs
 
-    from daemon.api.server import EXIT_ENGINE_FAILED, serve
-    from daemon.config import EngineConfig, ServerConfig
+    from daemon.api.http.config import ServerConfig
+    from daemon.build.config import EngineConfig
     from daemon.loop.runner import ModelRunner
-    from daemon.settings import Settings
+    from daemon.service.daemon import EXIT_ENGINE_FAILED, serve
+    from daemon.service.settings import Settings
     from tests.daemons import free_port
 
     execute = ModelRunner.execute

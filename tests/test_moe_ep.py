@@ -12,10 +12,10 @@ import orjson
 import pytest
 import torch
 
-from daemon.api.server import EXIT_ENGINE_FAILED
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.request import SamplingParams
+from daemon.service.daemon import EXIT_ENGINE_FAILED
 from tests.checkpoints import make_v4_checkpoint
 from tests.daemons import free_port, spawn, wait_healthy
 

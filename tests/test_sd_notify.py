@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from daemon.sd_notify import Notifier
+from daemon.service.sd_notify import Notifier
 from tests.daemons import daemon
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.settings import ConfigError, load_settings
+from daemon.service.settings import ConfigError, load_settings
 from tests.daemons import ROOT
 
 GOOD = """
@@ -115,9 +115,9 @@ def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
 
     import torch
 
-    from daemon.build import resolve_overlap
-    from daemon.cli import _overrides, build_parser
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import resolve_overlap
+    from daemon.service.cli import _overrides, build_parser
 
     cores, cpu = len(os.sched_getaffinity(0)), torch.device("cpu")
     assert resolve_overlap(EngineConfig(), cpu, cores) is False
@@ -135,7 +135,7 @@ def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
 
 
 def test_thinking_default_from_file_environment_and_flag(tmp_path: Path) -> None:
-    from daemon.cli import _settings, build_parser
+    from daemon.service.cli import _settings, build_parser
 
     assert load_settings().server.thinking_default == "auto"
     path = _write(tmp_path, "[server]\nthinking_default = 'off'\n")

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from daemon.startup import EXIT_STARTUP_FAILED
+from daemon.build.startup import EXIT_STARTUP_FAILED
 from tests.daemons import ROOT, checkout_env, free_port, serve_command, spawn
 
 
@@ -54,9 +54,9 @@ async def test_a_port_taken_between_bind_and_listen() -> None:
     bound it too fails at its listen, with the same reason."""
     from aiohttp import web
 
-    from daemon.api.server import bind_tcp, start_server
-    from daemon.config import ServerConfig
-    from daemon.startup import StartupError
+    from daemon.api.http.config import ServerConfig
+    from daemon.api.http.server import bind_tcp, start_server
+    from daemon.build.startup import StartupError
 
     port = free_port()
     socks = bind_tcp("127.0.0.1", port)
@@ -107,7 +107,7 @@ def test_an_admin_socket_path_taken_by_something_else(
 
 
 def test_a_stale_admin_socket_is_replaced(tmp_path: Path) -> None:
-    from daemon.api.admin import bind_admin
+    from daemon.api.http.admin import bind_admin
 
     path = tmp_path / "admin.sock"
     with socket.socket(socket.AF_UNIX) as dead:  # a daemon that crashed: bound, not listening
@@ -198,8 +198,8 @@ def test_a_start_that_cannot_honour_max_model_len_says_so(tiny_model_dir: Path) 
     one request of it still serves shorter ones; each start says so in a warning."""
     from structlog.testing import capture_logs
 
-    from daemon.build import build_engine
-    from daemon.config import EngineConfig
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
 
     cfg = EngineConfig(
         model=str(tiny_model_dir), max_model_len=10**8, kv_cache_memory_gb=0.0002, max_num_seqs=2
@@ -218,8 +218,8 @@ def test_an_admin_socket_whose_listener_does_not_accept_is_in_use(tmp_path: Path
     blocking connect would hang the start for as long as that daemon stays stopped."""
     import threading
 
-    from daemon.api.admin import bind_admin
-    from daemon.startup import StartupError
+    from daemon.api.http.admin import bind_admin
+    from daemon.build.startup import StartupError
 
     path = tmp_path / "admin.sock"
     with contextlib.ExitStack() as stack:
@@ -265,9 +265,10 @@ async def test_a_sigterm_as_the_start_hands_over_its_sockets_leaks_nothing(
 
     import aiohttp
 
-    from daemon.api.server import serve
-    from daemon.config import EngineConfig, ServerConfig
-    from daemon.settings import Settings
+    from daemon.api.http.config import ServerConfig
+    from daemon.build.config import EngineConfig
+    from daemon.service.daemon import serve
+    from daemon.service.settings import Settings
 
     pop_all = contextlib.ExitStack.pop_all
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from daemon.api.tool_parsers import Parsed, ToolCall, parse, stream_parser
+from daemon.api.codecs.tool_parsers import Parsed, ToolCall, parse, stream_parser
 
 HERMES_TWO = (
     "Let me check both.\n\n"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.build import build_engine
-from daemon.config import EngineConfig
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.kv.spec import KVGroup
 from daemon.loop.cuda_graphs import V4Buckets, V4DecodeGraphs, V4StaticInputs, position_buckets
 from daemon.loop.request import SamplingParams

@@ -6,7 +6,7 @@ could be the start of a stop string that the next token completes.
 
 from __future__ import annotations
 
-from daemon.tokenizer import TextTokenizer
+from daemon.models.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:

@@ -20,11 +20,11 @@ from typing import Any, Protocol
 import structlog
 
 from daemon.kv.manager import KVManager
+from daemon.kv.prefix import CacheOps
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
-from daemon.loop.prefix import CacheOps
 from daemon.loop.request import (
     FinishReason,
     Request,
@@ -34,7 +34,7 @@ from daemon.loop.request import (
 )
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import Scheduler, SchedulerStep
-from daemon.tokenizer import TextTokenizer
+from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from daemon.loop.detokenizer import IncrementalDetokenizer
 from daemon.loop.request import FinishReason, Request, RequestOutput, TokenLogprob
-from daemon.tokenizer import TextTokenizer
+from daemon.models.tokenizer import TextTokenizer
 
 
 class OutputProcessor:

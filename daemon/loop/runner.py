@@ -17,10 +17,10 @@ from torch import nn
 
 from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
+from daemon.kv.prefix import CacheOps, RestoreOp
 from daemon.kv.spec import KVGroup
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
 from daemon.loop.cuda_graphs import DecodeGraphs, V4DecodeGraphs
-from daemon.loop.prefix import CacheOps, RestoreOp
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,

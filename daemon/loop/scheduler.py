@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from daemon.kv.manager import KVManager
-from daemon.loop.prefix import PrefixCache, RestoreOp
+from daemon.kv.prefix import PrefixCache, RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)

@@ -1,0 +1,1 @@
+"""Codecs: between protocol bodies and engine requests (recipe, chat templates, completions)."""

@@ -1,0 +1,1 @@
+"""The HTTP side of the API: server, middleware, state, routes, SSE, errors."""

@@ -1,0 +1,123 @@
+"""One HTTP request's engine requests: submit them all or none, stream their outputs merged,
+and abort every unfinished one when the handler exits (done, failed, cancelled, disconnected)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from types import TracebackType
+
+from daemon.api.codecs.constraints import Grammar
+from daemon.api.http.cache_options import CacheOptions
+from daemon.api.http.errors import bad_request, unavailable
+from daemon.loop.engine import Engine, RequestRejected
+from daemon.loop.request import Request, RequestOutput, SamplingParams
+
+
+def seeded(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice i of a prompt samples with seed+i, so n>1 with a seed gives n different texts."""
+    if params.seed is None or choice == 0:
+        return params
+    return replace(params, seed=params.seed + choice)
+
+
+def sample_jobs(
+    prompt_ids: list[int], params: SamplingParams, n: int, grammar: Grammar | None = None
+) -> list[tuple[list[int], SamplingParams]]:
+    """The n choices of one prompt, each with its own seed (see `seeded`) and grammar matcher."""
+    jobs = []
+    for i in range(n):
+        p = replace(seeded(params, i), constraint=grammar.constraint() if grammar else None)
+        jobs.append((prompt_ids, p))
+    return jobs
+
+
+def submit_all(
+    engine: Engine,
+    base_id: str,
+    jobs: list[tuple[list[int], SamplingParams]],
+    priority: int = 0,
+    cache: CacheOptions = CacheOptions(),
+) -> list[Request]:
+    """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503)."""
+    reqs: list[Request] = []
+    try:
+        for i, (prompt_ids, params) in enumerate(jobs):
+            reqs.append(
+                engine.add_request(
+                    prompt_ids,
+                    params,
+                    f"{base_id}-{i}",
+                    priority,
+                    traffic_class=cache.traffic_class,
+                    cache_salt=cache.cache_salt,
+                )
+            )
+    except RequestRejected as e:
+        _abort(engine, reqs)
+        raise bad_request(str(e), e.param or _rejected_param(engine, prompt_ids, params)) from None
+    except RuntimeError:  # the engine loop has failed
+        _abort(engine, reqs)
+        raise unavailable("the inference engine has failed; the server must be restarted") from None
+    return reqs
+
+
+class FanOut:
+    """`async with FanOut(engine, reqs) as fan: async for index, output in fan: ...`"""
+
+    def __init__(self, engine: Engine, reqs: list[Request]) -> None:
+        self.engine = engine
+        self.reqs = reqs
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> FanOut:
+        self._tasks = [
+            asyncio.create_task(self._pump(i, req), name=f"pump-{req.request_id}")
+            for i, req in enumerate(self.reqs)
+        ]
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _abort(self.engine, self.reqs)  # first, synchronously: we may be being cancelled
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.reqs)
+        while remaining:
+            index, out = await self._queue.get()
+            if isinstance(out, Exception):
+                raise out
+            if out.finished:
+                remaining -= 1
+            yield index, out
+
+    async def _pump(self, index: int, req: Request) -> None:
+        try:
+            async for out in self.engine.stream(req):
+                self._queue.put_nowait((index, out))
+        except Exception as e:  # surfaces in the handler, which answers 500
+            self._queue.put_nowait((index, e))
+
+
+def _abort(engine: Engine, reqs: list[Request]) -> None:
+    for req in reqs:
+        if not req.finished:
+            engine.abort(req.request_id)
+
+
+def _rejected_param(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> str | None:
+    fits = len(prompt_ids) < engine.max_model_len
+    return (
+        "max_tokens"
+        if fits and len(prompt_ids) + params.max_tokens > engine.max_model_len
+        else "prompt"
+    )

@@ -1,0 +1,20 @@
+"""GET /metrics: the Prometheus text exposition of the daemon's metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from daemon.api.http.state import get_state
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(get_state(request).metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def register(app: web.Application) -> None:
+    app.router.add_routes(routes)

@@ -1,0 +1,182 @@
+"""The aiohttp application, its startup/shutdown with the engine, and the serving entry points."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+from aiohttp import web
+
+from daemon.api.codecs.chat_template import ChatTemplate
+from daemon.api.codecs.constraints import Constraints
+from daemon.api.codecs.recipe.codec import RecipeCodec
+from daemon.api.http import (
+    completions,
+    conversations,
+    metrics,
+    models,
+    stored_responses,
+    tokenize,
+)
+from daemon.api.http.access import AccessLogger, echo_request_id, request_id_middleware
+from daemon.api.http.auth import auth_middleware
+from daemon.api.http.config import ServerConfig
+from daemon.api.http.errors import error_middleware
+from daemon.api.http.response_store import ResponseStore
+from daemon.api.http.state import STATE, ApiState
+from daemon.build.demo import DEMO_NAME
+from daemon.build.startup import failing_as
+from daemon.loop.engine import Engine
+from daemon.loop.metrics import EngineMetrics
+
+log = structlog.get_logger(__name__)
+
+
+# Each endpoint module exposes register(app).
+ENDPOINTS: tuple[ModuleType, ...] = (
+    models,
+    completions,
+    conversations,
+    stored_responses,
+    tokenize,
+    metrics,
+)
+
+
+def create_app(
+    engine: Engine,
+    served_name: str,
+    server_cfg: ServerConfig,
+    *,
+    demo: bool | None = None,
+    model_dir: Path | None = None,
+) -> web.Application:
+    """`model_dir` (the checkpoint) supplies the chat template of non-DeepSeek families."""
+    codec = _codec(engine, served_name, server_cfg.thinking_default)
+    app = web.Application(
+        client_max_size=server_cfg.max_body_bytes,
+        middlewares=[request_id_middleware, error_middleware, auth_middleware],
+    )
+    app[STATE] = ApiState(
+        engine,
+        served_name,
+        served_name == DEMO_NAME if demo is None else demo,
+        int(time.time()),
+        codec=codec,
+        chat_template=(
+            _chat_template(engine, model_dir, server_cfg.tool_call_parser)
+            if codec is None
+            else None
+        ),
+        constraints=_constraints(engine),
+        max_waiting=server_cfg.max_waiting,
+        api_key=server_cfg.api_key,
+        metrics=EngineMetrics(engine),
+    )
+    app[stored_responses.RESPONSE_STORE] = ResponseStore(
+        server_cfg.response_store_max_count,
+        int(server_cfg.response_store_memory_gb * 2**30),
+        server_cfg.response_store_ttl_s,
+    )
+    for endpoint in ENDPOINTS:
+        endpoint.register(app)
+    app.on_response_prepare.append(echo_request_id)
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stopping)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def _codec(engine: Engine, served_name: str, thinking_default: str) -> RecipeCodec | None:
+    """DeepSeek-V4 checkpoints with a tokenizer speak through deepseek-recipe."""
+    if engine.tokenizer is None or not is_deepseek_v4(engine.runner.model):
+        return None
+    return RecipeCodec(engine.tokenizer, served_name, engine.max_model_len, thinking_default)
+
+
+def _constraints(engine: Engine) -> Constraints | None:
+    if engine.tokenizer is None:
+        return None
+    return Constraints(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
+
+
+def _chat_template(
+    engine: Engine, model_dir: Path | None, tool_parser: str = "auto"
+) -> ChatTemplate | None:
+    if engine.tokenizer is None or model_dir is None:
+        return None
+    return ChatTemplate.load(model_dir, engine.tokenizer, tool_parser)
+
+
+def is_deepseek_v4(model: object) -> bool:
+    return type(model).__module__.startswith("daemon.models.deepseek_v4")
+
+
+async def _start_engine(app: web.Application) -> None:
+    await app[STATE].engine.start()
+
+
+async def _stopping(app: web.Application) -> None:
+    """Before the server's grace time for running handlers: those it cancels after are ours."""
+    app[STATE].stopping = True
+
+
+async def _stop_engine(app: web.Application) -> None:
+    await app[STATE].engine.stop()
+    if app[STATE].constraints is not None:
+        app[STATE].constraints.close()
+
+
+def bind_tcp(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host:port (as aiohttp's TCPSite binds them), not yet
+    listening: connections are refused until the server starts on them. StartupError when an
+    address is taken or not this host's."""
+    socks: list[socket.socket] = []
+    with failing_as(f"cannot listen on {host}:{port}", OSError):
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio does: "::" is not also 0.0.0.0
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            raise
+    return socks
+
+
+async def start_server(
+    app: web.Application, server_cfg: ServerConfig, socks: list[socket.socket] | None = None
+) -> web.AppRunner:
+    """Starts serving `app` on `socks` (from `bind_tcp`), or else on host:port (port 0 = any
+    free one; see `bound_port`)."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log_class=AccessLogger,
+        shutdown_timeout=server_cfg.shutdown_timeout,
+    )
+    await runner.setup()
+    try:
+        if socks is not None:
+            # two daemons can both bind a port (SO_REUSEADDR) while neither listens yet
+            with failing_as(f"cannot listen on {server_cfg.host}:{server_cfg.port}", OSError):
+                for sock in socks:
+                    await web.SockSite(runner, sock).start()
+        else:
+            await web.TCPSite(runner, server_cfg.host, server_cfg.port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return runner.addresses[0][1]

@@ -1,0 +1,1 @@
+"""Assembling an engine from its settings: checkpoint, device, KV memory, MoE."""

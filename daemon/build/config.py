@@ -1,0 +1,45 @@
+"""What an engine is built from: model, device, KV memory and tiers, MoE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None = the built-in demo model
+    served_model_name: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "auto"  # auto (from the config) | float32 | float16 | bfloat16
+    kv_cache_memory_gb: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
+    # None: on with an accelerator; on a CPU only where the forward leaves a core to the loop
+    overlap: bool | None = None
+    enforce_eager: bool = False  # no CUDA graphs (they replay decode steps on cuda)
+    cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
+    seed: int = 0
+    prefix_caching: bool = True
+    swa_miss_policy: str = "replay"  # replay (layers x (W-1) tokens) | window (W) | exact
+    swa_cache_memory_gb: float = 1.0
+    swa_cache_ttl_s: float = 180.0
+    host_cache_memory_gb: float = 4.0  # host-memory tier of the prefix cache (0 = off)
+    kv_store_dir: str | None = None  # block store directory (a 3FS mount, or local); None = off
+    kv_store_fsync: bool = False  # fsync each block before publishing it
+    kv_store_io_threads: int = 8
+    kv_store_capacity_gb: float = 0.0  # 0 = the size of the store's file system
+    kv_store_high_watermark: float = 0.9  # above this fraction of capacity, evict ...
+    kv_store_low_watermark: float = 0.8  # ... down to this one
+    kv_store_gc_interval_s: float = 300.0
+    kv_store_read_timeout_s: float = 10.0  # a block read not back by then is a miss
+    traffic_classes: list[str] = field(default_factory=list)  # NAME=DURATION retention overrides
+    # expert parallelism (MoE models): one daemon process per rank, ranks step together
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_master: str = "127.0.0.1:29500"  # host:port where rank 0 listens for the group
+    ep_slots_per_rank: int = 0  # expert slots per rank; 0 = ceil(experts / ranks) + 1
+    moe_stats_interval: int = 1000  # steps between expert-load samples
+    moe_rebalance_interval: int = 10000  # steps between placements (0 = only on command)
+    moe_stats_window: int = 10  # samples the placement looks at

@@ -1,0 +1,178 @@
+"""Assemble an engine from settings: checkpoint, device, KV memory, runner and scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import structlog
+import torch
+
+from daemon.build.config import EngineConfig
+from daemon.build.demo import DEMO_NAME, ensure_demo_model, is_demo
+from daemon.build.device import resolve_device, resolve_dtype
+from daemon.build.moe import setup_moe
+from daemon.build.startup import failing_as
+from daemon.kv.block_store import BlockStore
+from daemon.kv.host_tier import HostTier
+from daemon.kv.manager import KVBudgetTooSmall, KVManager
+from daemon.kv.prefix import PrefixCache
+from daemon.kv.store_gc import StoreSweeper
+from daemon.kv.swa_cache import SWACache
+from daemon.kv.traffic import TrafficClasses
+from daemon.loop.engine import Engine
+from daemon.loop.runner import ModelRunner
+from daemon.loop.scheduler import Scheduler
+from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
+from daemon.models.rope import UnsupportedRope
+from daemon.models.tokenizer import TextTokenizer
+
+log = structlog.get_logger(__name__)
+
+KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old store files miss
+
+
+def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
+    """The engine and the name it serves the model under. A model, device or KV budget that
+    cannot serve raises StartupError."""
+    with failing_as("model", ModelLoadError, OSError):
+        path = Path(cfg.model) if cfg.model else ensure_demo_model()
+        hf_config = read_config(path)
+    with failing_as(f"device {cfg.device}", RuntimeError, ValueError):
+        device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
+    with failing_as(f"model {path}", ModelLoadError, UnsupportedRope, OSError):
+        loaded = load_model(path, device, dtype)
+    model = loaded.model
+    # `tokenizers` raises plain Exceptions; whatever it is, the files cannot serve
+    with failing_as(f"tokenizer {path / 'tokenizer.json'}", Exception):
+        tokenizer = TextTokenizer.from_dir(path, hf_config)
+    max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
+    if cfg.max_model_len and cfg.max_model_len > max_model_len:
+        log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)
+    groups = model.kv_groups(dtype, cfg.block_size)
+    with failing_as("KV cache", KVBudgetTooSmall):
+        kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
+    if kv.paged and kv.capacity_tokens() < max_model_len:
+        log.warning(  # such requests are refused with this reason; shorter ones run
+            "kv_pool_below_max_model_len",
+            kv_capacity_tokens=kv.capacity_tokens(),
+            max_model_len=max_model_len,
+        )
+    cpu_threads = _cpu_threads(cfg)
+    overlap = resolve_overlap(cfg, device, cpu_threads)
+    runner = ModelRunner(
+        model,
+        groups,
+        kv.num_blocks,
+        device,
+        cfg.max_num_seqs,
+        cfg.seed,
+        cpu_threads,
+        cuda_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
+    )
+    prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
+    eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
+    moe, executor = setup_moe(cfg, model, runner)
+    engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, overlap, executor)
+    engine.moe = moe
+    if prefix is not None and prefix.store is not None:
+        engine.sweeper = _sweeper(cfg, prefix.store, prefix.classes)
+        engine.sweep_interval_s = cfg.kv_store_gc_interval_s
+    if cfg.served_model_name:
+        name = cfg.served_model_name
+    elif is_demo(hf_config):
+        name = DEMO_NAME
+    else:
+        name = path.name
+    log.info(
+        "engine_ready",
+        model=name,
+        random_weight_demo=is_demo(hf_config),
+        kv_blocks=kv.num_blocks,
+        kv_capacity_tokens=kv.capacity_tokens(),
+        max_model_len=max_model_len,
+        overlap=overlap,
+        cuda_graphs=runner.graphs is not None,
+        host_cache_gb=cfg.host_cache_memory_gb if prefix else 0,
+        kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
+    )
+    return engine, name
+
+
+def _prefix_cache(
+    cfg: EngineConfig, kv: KVManager, runner: ModelRunner, hf_config: dict, dtype
+) -> PrefixCache | None:
+    if not kv.paged:
+        return None
+    fingerprint = json.dumps(hf_config, sort_keys=True) + str(dtype) + str(kv.prefix_block)
+    salt = hashlib.blake2b((KV_LAYOUT + fingerprint).encode(), digest_size=16).digest()
+    block_bytes = runner.copier.block_bytes
+    tiers = dict(
+        block_bytes=block_bytes,
+        host=HostTier(int(cfg.host_cache_memory_gb * 2**30)) if cfg.host_cache_memory_gb else None,
+        classes=TrafficClasses.from_specs(cfg.traffic_classes),
+    )
+    if cfg.kv_store_dir:
+        tiers["store"] = BlockStore(
+            Path(cfg.kv_store_dir).expanduser(),
+            salt,
+            block_bytes,
+            fsync=cfg.kv_store_fsync,
+            io_threads=cfg.kv_store_io_threads,
+            read_timeout_s=cfg.kv_store_read_timeout_s,
+        )
+    names = [getattr(g.spec, "name", "") for g in kv.groups]
+    if "swa" not in names:
+        return PrefixCache(kv, salt, **tiers)
+    cache = runner.cache
+    swa = SWACache(int(cfg.swa_cache_memory_gb * 2**30), cfg.swa_cache_ttl_s)
+    return PrefixCache(
+        kv,
+        salt,
+        **tiers,
+        swa=swa,
+        swa_group=names.index("swa"),
+        swa_bytes=cache.swa_snapshot_bytes,
+        replay_tokens=(
+            cache.cfg.sliding_window if cfg.swa_miss_policy == "window" else cache.replay_tokens
+        ),
+        policy=cfg.swa_miss_policy,
+    )
+
+
+def _sweeper(cfg: EngineConfig, store: BlockStore, classes: TrafficClasses) -> StoreSweeper:
+    capacity = int(cfg.kv_store_capacity_gb * 2**30)
+    if not capacity:
+        fs = os.statvfs(store.dir) if store.dir.exists() else None
+        capacity = fs.f_blocks * fs.f_frsize if fs else 0
+    return StoreSweeper(
+        store, classes, capacity, cfg.kv_store_high_watermark, cfg.kv_store_low_watermark
+    )
+
+
+def _cpu_threads(cfg: EngineConfig) -> int:
+    if cfg.cpu_threads:
+        return cfg.cpu_threads
+    cores = len(os.sched_getaffinity(0))
+    # On a few cores the forward needs them all (a 2-core machine halves its matmul rate
+    # with one); on many, one core left to the event loop costs little and hides its work.
+    return cores - 1 if cfg.overlap is not False and cores > 4 else cores
+
+
+def resolve_overlap(cfg: EngineConfig, device: torch.device, cpu_threads: int) -> bool:
+    """The configured overlap, or by default: on with an accelerator; on a CPU only where the
+    forward leaves a core to the event loop, else the loop's work takes turns with the
+    forward's on the same cores (and the GIL) and only slows it (V4 bench model on 2 cores:
+    10 % more tok/s without)."""
+    if cfg.overlap is not None:
+        return cfg.overlap
+    return device.type != "cpu" or cpu_threads < len(os.sched_getaffinity(0))
+
+
+def _config_eos(hf_config: dict) -> tuple[int, ...]:
+    value = hf_config.get("eos_token_id")
+    return tuple(value) if isinstance(value, list) else () if value is None else (value,)

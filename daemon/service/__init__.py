@@ -1,0 +1,1 @@
+"""The daemon as a service: command line, settings, logging, systemd, the serve loop."""

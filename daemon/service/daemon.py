@@ -1,0 +1,205 @@
+"""The daemon's life: bind, build the engine, serve until a signal, drain, exit; SIGHUP
+reloads what can change live."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+import uvloop
+
+from daemon.api.http.admin import bind_admin, start_admin
+from daemon.api.http.server import bind_tcp, bound_port, create_app, start_server
+from daemon.api.http.state import STATE, ApiState
+from daemon.build.demo import is_demo
+from daemon.build.engine import build_engine
+from daemon.loop.engine import Engine
+from daemon.models.loader import read_config
+from daemon.service import logs as logging_setup
+from daemon.service.sd_notify import Notifier
+from daemon.service.settings import ConfigError, Settings
+
+log = structlog.get_logger(__name__)
+
+EXIT_ENGINE_FAILED = 4  # the engine loop failed while serving (3: it could not start)
+
+
+async def serve(settings: Settings, reload: Callable[[], Settings] | None = None) -> int:
+    """Builds the engine and serves until SIGTERM/SIGINT; then drains (new requests get 503,
+    running ones finish within `shutdown_timeout`; a second signal aborts them) and exits.
+    SIGHUP re-reads the settings (`reload`) and applies what can change live."""
+    engine_cfg, server_cfg = settings.engine, settings.server
+    # Both sockets are bound before the model loads (minutes, for a big one), so that a taken
+    # port or an unusable socket path stops the start at once. A SIGTERM meanwhile stops the
+    # start, closing them (and removing the admin socket's file) on the way out.
+    previous = signal.signal(signal.SIGTERM, _stop_starting)
+    engine = None
+    try:
+        with contextlib.ExitStack() as unused:
+            socks = [unused.enter_context(s) for s in bind_tcp(server_cfg.host, server_cfg.port)]
+            admin_sock = None
+            if server_cfg.admin_socket:
+                admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
+                unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
+            engine, name = build_engine(engine_cfg)
+            # restored first: past pop_all no _StopStarting could reach the `except` below
+            # with the sockets already out of the stack
+            signal.signal(signal.SIGTERM, previous)
+            unused.pop_all()  # the sites own them from here
+    except _StopStarting:
+        signal.signal(signal.SIGTERM, previous)
+        if engine is not None:  # built, not started: its I/O threads
+            await engine.stop()
+        log.info("stopped", during="startup")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
+    model_dir = Path(engine_cfg.model) if engine_cfg.model else None
+    logging_setup.add_secret(server_cfg.api_key)
+    app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
+    runner = await start_server(app, server_cfg, socks)
+    host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
+    url = f"http://{host}:{bound_port(runner)}/v1"
+    admin = await start_admin(app[STATE], admin_sock) if admin_sock is not None else None
+    notifier = Notifier()
+    signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
+    log.info(
+        "serving",
+        url=url,
+        model=name,
+        random_weight_demo=demo,
+        systemd=notifier.enabled,
+        admin_socket=server_cfg.admin_socket,
+    )
+    notifier.ready(f"serving {name} at {url}")
+    notifier.start_watchdog()
+    status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
+    try:
+        await _first_of(signals.stop, engine.failed)
+        if engine.failed.is_set():
+            # its requests were answered with an error; a fresh process (systemd restarts it,
+            # Restart=on-failure) serves again, where this one could only answer 503
+            log.error("engine_failed_exiting", error=repr(engine.error))
+            notifier.stopping("the inference engine failed")
+        else:
+            app[STATE].draining = True
+            notifier.stopping(f"draining {len(engine.requests)} requests")
+            log.info("draining", requests=len(engine.requests), grace_s=server_cfg.shutdown_timeout)
+            if not await _drain(engine, server_cfg.shutdown_timeout, signals.force):
+                log.warning("drain_cut_short", aborted=len(engine.requests))
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
+    finally:
+        status.cancel()
+        signals.remove()
+        if admin is not None:
+            await admin.cleanup()
+            Path(server_cfg.admin_socket).unlink(missing_ok=True)
+        await runner.cleanup()  # stops the engine, which flushes block-store writes
+        await notifier.close()
+    log.info("stopped")
+    return EXIT_ENGINE_FAILED if engine.failed.is_set() else 0
+
+
+class _StopStarting(BaseException):
+    """SIGTERM while the daemon starts (a BaseException: no `except Exception` swallows it)."""
+
+
+def _stop_starting(_signum: int, _frame: object) -> None:
+    raise _StopStarting
+
+
+class _Signals:
+    """SIGTERM/SIGINT: first one starts the drain, a second one cuts it short.
+    SIGHUP: `on_hangup` (reload settings, reopen the log file after logrotate)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_hangup: Callable[[], None]) -> None:
+        self.loop, self.stop, self.force = loop, asyncio.Event(), asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_stop)
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+
+    def _on_stop(self) -> None:
+        if self.stop.is_set():
+            self.force.set()
+        self.stop.set()
+
+    def remove(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            self.loop.remove_signal_handler(sig)
+
+
+def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
+    """Live: logging (level, format, file, reopened), the API key, the waiting-queue limit and
+    the MoE intervals. The rest needs a restart; a settings file that fails its checks changes
+    nothing."""
+    if reload is None:
+        try:
+            logging_setup.SINK.reopen()
+        except OSError as e:  # logs go on to the file as it was open
+            log.warning("logs_reopen_failed", file=e.filename, error=e.strerror)
+            return
+        log.info("logs_reopened", file=logging_setup.SINK.path)
+        return
+    try:
+        new = reload()
+        logging_setup.setup_logging(new.logging.level, new.logging.format, new.logging.file)
+    except ConfigError as e:
+        log.warning("settings_reload_rejected", error=str(e))
+        return
+    except OSError as e:  # the logging stays as it was, and so does the rest
+        log.warning(
+            "settings_reload_rejected", error=f"cannot open the log file {e.filename}: {e.strerror}"
+        )
+        return
+    logging_setup.add_secret(new.server.api_key)
+    state.api_key, state.max_waiting = new.server.api_key, new.server.max_waiting
+    if state.engine.moe is not None:
+        state.engine.moe.set_intervals(
+            new.engine.moe_stats_interval, new.engine.moe_rebalance_interval
+        )
+    log.info(
+        "settings_reloaded",
+        log_level=new.logging.level,
+        api_key_set=new.server.api_key is not None,
+        max_waiting=new.server.max_waiting,
+    )
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+async def _drain(engine: Engine, timeout_s: float, force: asyncio.Event) -> bool:
+    """True once no request is left, False when the timeout or `force` comes first."""
+    deadline = time.monotonic() + timeout_s
+    while engine.requests:
+        if force.is_set() or time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(force.wait(), 0.05)
+    return True
+
+
+async def _report_status(engine: Engine, notifier: Notifier) -> None:
+    if not notifier.enabled:
+        return
+    while True:
+        await asyncio.sleep(5)
+        stats = engine.stats()
+        notifier.status(f"{stats['running']} running, {stats['waiting']} waiting")
+
+
+def run_server(settings: Settings, reload: Callable[[], Settings] | None = None) -> int:
+    return uvloop.run(serve(settings, reload))

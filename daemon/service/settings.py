@@ -1,0 +1,234 @@
+"""Settings of one daemon instance: a TOML file, overridden by DEEPINFER_<SECTION>_<KEY>
+environment variables, overridden by command-line flags; checked before anything starts.
+
+    [engine]   EngineConfig fields      [server]   ServerConfig fields
+    [logging]  level, format, file
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "console", "json")
+
+
+@dataclass
+class LogConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: JSON when stderr is not a terminal
+    file: str | None = None  # append here instead of stderr; reopened on SIGHUP
+
+
+@dataclass
+class Settings:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    logging: LogConfig = field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "logging": LogConfig}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str, source: str = "") -> None:
+        self.key = key
+        where = f" ({source})" if source else ""
+        super().__init__(f"{key}: {message}{where}")
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    base: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """`base` (a command's own defaults), the file, the environment, then `overrides`
+    ({section: {key: value}}); then checked."""
+    values: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    _merge(values, {k: dict(v) for k, v in (base or {}).items()}, "defaults")
+    if path is not None:
+        _merge(values, _read_toml(Path(path)), str(path))
+    _merge(values, _from_env(env or {}), "environment")
+    _merge(values, {k: dict(v) for k, v in (overrides or {}).items()}, "command line")
+    settings = Settings(**{name: SECTIONS[name](**values[name]) for name in SECTIONS})
+    check(settings)
+    return settings
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read the file: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), f"not valid TOML: {e}") from None
+
+
+def _fields(section: str) -> dict[str, Any]:
+    cls = SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _merge(values: dict[str, dict[str, Any]], new: dict[str, Any], source: str) -> None:
+    for section, table in new.items():
+        if section not in SECTIONS:
+            raise ConfigError(section, f"unknown section{_suggest(section, SECTIONS)}", source)
+        if not isinstance(table, dict):
+            raise ConfigError(section, "must be a table ([section])", source)
+        fields = _fields(section)
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if key not in fields:
+                raise ConfigError(name, f"unknown key{_suggest(key, fields)}", source)
+            values[section][key] = _typed(name, value, fields[key], source)
+
+
+def _suggest(word: str, options: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _typed(name: str, value: Any, hint: Any, source: str) -> Any:
+    """`value` checked against the field's type (None allowed only for optional fields)."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(name, "must be set", source)
+    origin = typing.get_origin(base)
+    if origin is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(name, "must be a list of strings", source)
+        return list(value)
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        raise ConfigError(name, f"must be {base.__name__}, got {type(value).__name__}", source)
+    return value
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """DEEPINFER_ENGINE_KV_CACHE_MEMORY_GB=8 -> {"engine": {"kv_cache_memory_gb": 8.0}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        prefix = f"DEEPINFER_{section.upper()}_"
+        for var, text in env.items():
+            if not var.startswith(prefix):
+                continue
+            key = var[len(prefix) :].lower()
+            hint = _fields(section).get(key)
+            if hint is None:
+                raise ConfigError(
+                    var, f"unknown setting{_suggest(key, _fields(section))}", "environment"
+                )
+            out.setdefault(section, {})[key] = _parse_text(var, text, hint)
+    return out
+
+
+def _parse_text(name: str, text: str, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if typing.get_origin(base) is list:
+        return [t.strip() for t in text.split(",") if t.strip()]
+    if type(None) in args and text == "":
+        return None
+    try:
+        if base is bool:
+            if text.lower() not in _TRUE | _FALSE:
+                raise ValueError
+            return text.lower() in _TRUE
+        if base in (int, float):
+            return base(text)
+    except ValueError:
+        raise ConfigError(name, f"{text!r} is not a {base.__name__}", "environment") from None
+    return text
+
+
+def check(s: Settings) -> None:
+    """Values each setting can take, and how settings must agree with each other."""
+    from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
+    from daemon.api.codecs.tool_parsers import PARSERS
+    from daemon.kv.prefix import POLICIES
+    from daemon.kv.traffic import TrafficClasses
+
+    e, sv, lg = s.engine, s.server, s.logging
+    _choice("engine.device", e.device, ("auto", "cpu", "cuda", "npu"))
+    _choice("engine.dtype", e.dtype, ("auto", "float32", "float16", "bfloat16"))
+    _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
+    _choice("logging.level", lg.level, LOG_LEVELS)
+    _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
+    _choice("server.tool_call_parser", sv.tool_call_parser, ("auto", "none", *PARSERS))
+    _choice("logging.format", lg.format, LOG_FORMATS)
+    for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"engine.{key}", "must be positive")
+    for key in (
+        "host_cache_memory_gb",
+        "swa_cache_memory_gb",
+        "kv_store_capacity_gb",
+        "cpu_threads",
+    ):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"engine.{key}", "must not be negative")
+    if e.max_model_len is not None and e.max_model_len <= 0:
+        raise ConfigError("engine.max_model_len", "must be positive")
+    if not 0 < e.kv_store_low_watermark <= e.kv_store_high_watermark <= 1:
+        raise ConfigError("engine.kv_store_high_watermark", "watermarks need 0 < low <= high <= 1")
+    if e.kv_store_io_threads < 1 or e.kv_store_gc_interval_s <= 0:
+        raise ConfigError(
+            "engine.kv_store_io_threads", "needs at least one thread and a positive GC interval"
+        )
+    if e.kv_store_read_timeout_s <= 0:
+        raise ConfigError("engine.kv_store_read_timeout_s", "must be positive")
+    try:
+        TrafficClasses.from_specs(e.traffic_classes)
+    except ValueError as err:
+        raise ConfigError("engine.traffic_classes", str(err)) from None
+    if e.ep_size < 1 or not 0 <= e.ep_rank < e.ep_size:
+        raise ConfigError("engine.ep_rank", f"must lie in [0, ep_size={e.ep_size})")
+    host, _, port = e.ep_master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("engine.ep_master", f"{e.ep_master!r} is not host:port")
+    for key in ("ep_slots_per_rank", "moe_stats_interval", "moe_rebalance_interval"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"engine.{key}", "must not be negative")
+    if e.moe_stats_window < 1:
+        raise ConfigError("engine.moe_stats_window", "must be at least 1")
+    if not 0 <= sv.port <= 65535:
+        raise ConfigError("server.port", "must lie in [0, 65535]")
+    for key in ("max_body_bytes", "shutdown_timeout"):
+        if getattr(sv, key) <= 0:
+            raise ConfigError(f"server.{key}", "must be positive")
+    for key in ("max_waiting", "response_store_max_count", "response_store_memory_gb"):
+        if getattr(sv, key) < 0:
+            raise ConfigError(f"server.{key}", "must not be negative")
+    if sv.response_store_ttl_s <= 0:
+        raise ConfigError("server.response_store_ttl_s", "must be positive")
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(name, f"{value!r} is not one of {', '.join(options)}")
