@@ -22,7 +22,7 @@ class EngineConfig:
     cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
     seed: int = 0
     prefix_caching: bool = True
-    swa_miss_policy: str = "replay"  # replay (layers x (W-1) tokens) | window (W) | exact
+    swa_miss_policy: str = "replay"  # one of kv.swa_policy.POLICIES
     swa_cache_memory_gb: float = 1.0
     swa_cache_ttl_s: float = 180.0
     host_cache_memory_gb: float = 4.0  # host-memory tier of the prefix cache (0 = off)

@@ -30,11 +30,11 @@ from daemon.kv.host_tier import HostBlock, HostTier
 from daemon.kv.manager import KVManager
 from daemon.kv.prefix_hash import block_hashes
 from daemon.kv.swa_cache import SWACache, SWASnapshot
+from daemon.kv.swa_policy import POLICIES
 from daemon.kv.tier_stats import CacheStats
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.request import Request
 
-POLICIES = ("replay", "window", "exact")
 MAX_PROBES = 3  # store re-reads for one request whose in-memory prefix was evicted meanwhile
 TOUCH_EVERY_S = 3600.0  # refresh a device/host hit's store file at most this often
 _MAX_TOUCHED = 1 << 16

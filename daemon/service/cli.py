@@ -19,6 +19,7 @@ from daemon.benchmark.options import add_serve_arguments
 from daemon.build.config import EngineConfig
 from daemon.build.paths import cache_dir
 from daemon.build.startup import EXIT_STARTUP_FAILED, StartupError
+from daemon.kv.swa_policy import POLICIES
 from daemon.service.logs import add_secret, setup_logging
 from daemon.service.settings import LOG_FORMATS, LOG_LEVELS, ConfigError, Settings, load_settings
 
@@ -78,7 +79,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--swa-miss-policy",
         default=S,
-        choices=("replay", "window", "exact"),
+        choices=POLICIES,
         help="DeepSeek-V4, cached blocks but no sliding-window state: replay the window's reach "
         "(layers x (window - 1) tokens, exact), only the last window (the seed's bounded "
         "replay, approximate) or recompute from the last stored state",

@@ -171,7 +171,7 @@ def check(s: Settings) -> None:
     """Values each setting can take, and how settings must agree with each other."""
     from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
     from daemon.api.codecs.tool_parsers import PARSERS
-    from daemon.kv.prefix import POLICIES
+    from daemon.kv.swa_policy import POLICIES
     from daemon.kv.traffic import TrafficClasses
 
     e, sv, lg = s.engine, s.server, s.logging
