@@ -289,7 +289,7 @@ class ModelRunner:
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         self.run_cache_ops(step.cache_ops)
-        for restore, tables in step.restores:  # as swa_saves: a sliding-window model's only
+        for restore, tables in step.restores:  # as swa_saves, only for a sliding-window model
             cast(SlidingWindowCache, self.cache).restore(restore, tables)
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():

@@ -1,4 +1,5 @@
-"""Paged attention over a flat token batch (decodes first, then prefill chunks), in torch.
+"""Paged attention over a flat token batch (decodes first, then prefill chunks), in torch, and
+`PagedKVCache`, the dense models' cache.
 
 Layout of one step:   [ d0 d1 ... dB | p0 p0 p0 p0 | p1 p1 ... ]
                         decode tokens   prefill chunks (variable length)
