@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.models.base import KVExport, SeqSlice
+from daemon.models.base import KVExport, Model, ModelCache, SeqSlice, SlidingWindowCache
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
+from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from daemon.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -115,3 +116,20 @@ def test_export_needs_a_block_aligned_start(model) -> None:
     h.step(0, _ids(20, 7), 0)
     with pytest.raises(ValueError, match="block size"):
         h.cache.export_kv(h.tables[0], 3, 20)
+
+
+def _members(protocol: type) -> set[str]:
+    return {
+        name
+        for name, value in vars(protocol).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    }
+
+
+def test_models_and_caches_have_the_whole_interface(model) -> None:
+    cache = Harness(model).cache
+    wanted = [(Model, model), (ModelCache, cache)]
+    if isinstance(model, DeepseekV4ForCausalLM):  # the sliding-window family
+        wanted.append((SlidingWindowCache, cache))
+    for protocol, obj in wanted:
+        assert _members(protocol) and not [n for n in _members(protocol) if not hasattr(obj, n)]
