@@ -36,8 +36,8 @@ RAW_BS = MiB  # dd block size for the raw sequential figures
 def flash_block_bytes() -> int:
     """Payload of one V4-Flash prefix block: its block in every paged KV group (bf16)."""
     from bench.v4_kv_bytes import FLASH, default_layer_types
-    from daemon.models.deepseek_v4.cache import kv_groups
     from daemon.models.deepseek_v4.config import V4Config
+    from daemon.models.deepseek_v4.kv import kv_groups
 
     hf = dict(FLASH, layer_types=default_layer_types(FLASH["num_hidden_layers"]))
     paged = [

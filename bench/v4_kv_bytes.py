@@ -18,8 +18,8 @@ from tqdm import tqdm
 from daemon.kv.manager import KVManager
 from daemon.kv.store_format import HEADER_BYTES
 from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
-from daemon.models.deepseek_v4.cache import STATE, SWA, kv_groups, ring_size
 from daemon.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
+from daemon.models.deepseek_v4.kv import STATE, SWA, kv_groups, ring_size
 
 # DeepSeek-V4-Flash (the fields that shape the KV state; layer_types left to the defaults:
 # 2 HCA, then CSA/HCA interleaved, as transformers' DeepseekV4Config gives them)

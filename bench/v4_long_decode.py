@@ -59,8 +59,10 @@ def _reset_peak() -> None:
 
 def one_context(path: Path, batch: int, context: int, steps: int) -> dict[str, float]:
     """The measurements at one context, in this process."""
-    from daemon.models.attention import SeqSlice
-    from daemon.models.deepseek_v4.cache import CSA, HCA, STATE, SWA, V4Cache
+    from daemon.models.base import SeqSlice
+    from daemon.models.deepseek_v4.cache import V4Cache
+    from daemon.models.deepseek_v4.config import CSA, HCA
+    from daemon.models.deepseek_v4.kv import STATE, SWA
     from daemon.models.loader import load_model
 
     torch.manual_seed(0)

@@ -144,9 +144,10 @@ async def eager_steps(args: argparse.Namespace) -> None:
 def graph_step(args: argparse.Namespace) -> None:
     from transformers import DeepseekV4Config
 
-    from daemon.loop.cuda_graphs import V4StaticInputs
-    from daemon.models.deepseek_v4.cache import DecodeShape, V4Cache
+    from daemon.models.deepseek_v4.batch import DecodeShape
+    from daemon.models.deepseek_v4.cache import V4Cache
     from daemon.models.deepseek_v4.config import V4Config
+    from daemon.models.deepseek_v4.graphs import V4StaticInputs
     from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
     hf = DeepseekV4Config(**{k: v for k, v in V4_BENCH.items() if v is not None})

@@ -13,9 +13,15 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.kv.spec import FullAttentionSpec
-from daemon.loop.cuda_graphs import DecodeGraphs, StaticInputs, batch_buckets, bucket, width_buckets
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import PagedKVCache
+from daemon.models.graphs import (
+    PagedDecodeGraphs,
+    StaticInputs,
+    batch_buckets,
+    bucket,
+    width_buckets,
+)
 from tests.checkpoints import make_dense_checkpoint
 
 
@@ -37,8 +43,8 @@ def test_scratch_slot_lies_outside_the_pool() -> None:
     assert all(view.shape[0] == 5 for view in cache.block_views(0))
 
 
-class EagerRecording(DecodeGraphs):
-    """Everything of DecodeGraphs but the capture: a "replay" reruns the forward eagerly on the
+class EagerRecording(PagedDecodeGraphs):
+    """Everything of PagedDecodeGraphs but the capture: a "replay" reruns the forward eagerly on the
     same static buffers into the same output tensor."""
 
     def record(self, inputs: StaticInputs):
@@ -69,7 +75,7 @@ PROMPT_LENGTHS = [3, 17, 40, 64, 90, 5, 33, 120, 7]
 
 
 async def _run(
-    checkpoint: Path, prompts: list[list[int]], device: str, graphs: type[DecodeGraphs] | None
+    checkpoint: Path, prompts: list[list[int]], device: str, graphs: type[PagedDecodeGraphs] | None
 ) -> tuple:
     """(batched outputs, each prompt again alone, the graph keys captured)."""
     engine, _ = build_engine(
@@ -103,7 +109,7 @@ async def test_replay_equals_eager(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     eager = await _run(checkpoint, prompts, "cuda", None)
-    graphs = await _run(checkpoint, prompts, "cuda", DecodeGraphs)
+    graphs = await _run(checkpoint, prompts, "cuda", PagedDecodeGraphs)
     assert eager[2] == []
     assert len({size for size, _ in graphs[2]}) > 1 and len({w for _, w in graphs[2]}) > 1
     assert graphs[:2] == eager[:2]

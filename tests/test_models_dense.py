@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.models.attention import SeqSlice
+from daemon.models.base import SeqSlice
 from daemon.models.loader import ModelLoadError, load_model
 from tests.checkpoints import load_reference, make_dense_checkpoint
 

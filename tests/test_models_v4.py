@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from daemon.models.attention import SeqSlice
+from daemon.models.base import SeqSlice
 from daemon.models.loader import load_model
 from tests.checkpoints import load_reference, make_v4_checkpoint
 

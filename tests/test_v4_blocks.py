@@ -133,7 +133,7 @@ def test_indexer_picks_the_top_k_of_the_visible_scores(
 ) -> None:
     from daemon.models.deepseek_v4 import attention
     from daemon.models.deepseek_v4.attention import INDEX_CHUNK, Indexer
-    from daemon.models.deepseek_v4.cache import EntryTable
+    from daemon.models.deepseek_v4.batch import EntryTable
 
     if floats is None:
         assert b * n > INDEX_CHUNK

@@ -15,12 +15,19 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.kv.spec import KVGroup
-from daemon.loop.cuda_graphs import V4Buckets, V4DecodeGraphs, V4StaticInputs, position_buckets
 from daemon.loop.request import SamplingParams
-from daemon.models.attention import SeqSlice
+from daemon.models.base import SeqSlice
+from daemon.models.deepseek_v4.batch import DecodeShape
 from daemon.models.deepseek_v4.blocks import MoE
-from daemon.models.deepseek_v4.cache import DecodeShape, V4Cache, kv_groups
+from daemon.models.deepseek_v4.cache import V4Cache
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
+from daemon.models.deepseek_v4.graphs import (
+    V4Buckets,
+    V4DecodeGraphs,
+    V4StaticInputs,
+    position_buckets,
+)
+from daemon.models.deepseek_v4.kv import kv_groups
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.checkpoints import V4_TINY, make_v4_checkpoint
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from daemon.models.attention import SeqSlice
+from daemon.models.base import SeqSlice
 from daemon.models.deepseek_v4.weights import is_scale, mtp_weights, weight_of_scale
 from daemon.models.loader import ModelLoadError, dequantize_fp8, load_model
 from tests.checkpoints import load_reference, make_v4_checkpoint

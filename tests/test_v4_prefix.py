@@ -260,7 +260,7 @@ class TestBoundedReplayDivergence:
     @staticmethod
     def compare(model, prefix: int, replay: int = 128) -> dict[str, dict[str, float]]:
         from daemon.kv.prefix import RestoreOp
-        from daemon.models.attention import SeqSlice
+        from daemon.models.base import SeqSlice
         from tests.test_models_v4 import Harness
 
         tokens = torch.randint(2, 512, (prefix + 64,), generator=torch.Generator().manual_seed(2))
@@ -316,7 +316,7 @@ class TestBoundedReplayDivergence:
         (part of its window before it) and their continuations in shared steps, padded
         together, give the logits each gets in steps of its own."""
         from daemon.kv.prefix import RestoreOp
-        from daemon.models.attention import SeqSlice
+        from daemon.models.base import SeqSlice
         from tests.test_models_v4 import Harness
 
         g = torch.Generator().manual_seed(8)

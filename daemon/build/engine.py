@@ -13,7 +13,7 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.demo import DEMO_NAME, ensure_demo_model, is_demo
 from daemon.build.device import resolve_device, resolve_dtype
-from daemon.build.moe import setup_moe
+from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.startup import failing_as
 from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
@@ -63,6 +63,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         )
     cpu_threads = _cpu_threads(cfg)
     overlap = resolve_overlap(cfg, device, cpu_threads)
+    moe = moe_controller(cfg, model, device)
     runner = ModelRunner(
         model,
         groups,
@@ -72,11 +73,12 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         cfg.seed,
         cpu_threads,
         cuda_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
+        after_forward=forward_listener(moe),
     )
     prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
-    moe, executor = setup_moe(cfg, model, runner)
+    executor = lockstep_executor(moe, model, runner)
     engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, overlap, executor)
     engine.moe = moe
     if prefix is not None and prefix.store is not None:

@@ -1,8 +1,10 @@
 """Wire a MoE model's layers to load statistics and, with `ep_size` > 1, to an expert-parallel
-group of daemon processes (gloo on CPU, NCCL on CUDA, HCCL on Ascend)."""
+group of daemon processes (gloo on CPU, NCCL on CUDA, HCCL on Ascend). The controller is made
+before the runner (which reports each forward to it), the lockstep executor after."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from datetime import timedelta
 
@@ -23,18 +25,18 @@ log = structlog.get_logger(__name__)
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
-def setup_moe(
-    cfg: EngineConfig, model: nn.Module, runner: ModelRunner
-) -> tuple[MoEController | None, Executor | None]:
-    """The MoE controller (None for a dense model) and, under expert parallelism, the
-    lockstep device worker the engine must use."""
+def moe_controller(
+    cfg: EngineConfig, model: nn.Module, device: torch.device
+) -> MoEController | None:
+    """The MoE controller of the model's MoE layers (None for a dense model); under expert
+    parallelism, after joining the group (each rank then keeps only its experts' slots)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         if cfg.ep_size > 1:
             raise ValueError("expert parallelism (ep_size > 1) needs a MoE model")
-        return None, None
-    ep = join_group(cfg, runner.device) if cfg.ep_size > 1 else None
-    controller = MoEController(
+        return None
+    ep = join_group(cfg, device) if cfg.ep_size > 1 else None
+    return MoEController(
         layers,
         ep,
         cfg.ep_slots_per_rank,
@@ -42,9 +44,23 @@ def setup_moe(
         cfg.moe_rebalance_interval,
         cfg.moe_stats_window,
     )
-    if ep is None:
-        runner.after_forward = lambda: controller.after_step(controller.schedule())
-        return controller, None
+
+
+def forward_listener(controller: MoEController | None) -> Callable[[], None] | None:
+    """What the runner calls after each forward: the controller's statistics step. None under
+    expert parallelism, where the lockstep executor steps the controller on every rank."""
+    if controller is None or controller.ep is not None:
+        return None
+    return lambda: controller.after_step(controller.schedule())
+
+
+def lockstep_executor(
+    controller: MoEController | None, model: nn.Module, runner: ModelRunner
+) -> Executor | None:
+    """Under expert parallelism, the lockstep device worker the engine must use; else None."""
+    if controller is None or controller.ep is None:
+        return None
+    ep = controller.ep
     hidden = model.cfg.hidden_size
     dtype = next(p.dtype for p in model.parameters() if p is not None)
 
@@ -58,9 +74,9 @@ def setup_moe(
         rank=ep.rank,
         size=ep.size,
         slots_per_rank=controller.slots_per_rank,
-        moe_layers=len(layers),
+        moe_layers=len(controller.layers),
     )
-    return controller, executor
+    return executor
 
 
 def join_group(cfg: EngineConfig, device: torch.device) -> EPGroup:

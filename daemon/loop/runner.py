@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import nn
 
 from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
 from daemon.kv.prefix import CacheOps, RestoreOp
 from daemon.kv.spec import KVGroup
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
-from daemon.loop.cuda_graphs import DecodeGraphs, V4DecodeGraphs
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -34,8 +32,14 @@ from daemon.loop.sampler import (
     target_logprobs,
 )
 from daemon.loop.scheduler import SchedulerStep
-from daemon.models.attention import PagedKVCache, SeqSlice
-from daemon.models.deepseek_v4.cache import V4Cache
+from daemon.models.base import (
+    AttentionMetadata,
+    DecodeGraphs,
+    Model,
+    ModelCache,
+    SeqSlice,
+    SlidingWindowCache,
+)
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows of full-vocabulary logits held at once
 
@@ -56,7 +60,7 @@ class PreparedStep:
     placeholder_rows: torch.Tensor  # rows of input_ids to fill from last_tokens
     placeholder_slots: torch.Tensor  # slots they read
     positions: torch.Tensor  # [T]
-    attention: Any  # the model's own per-step attention metadata (has .to(device))
+    attention: AttentionMetadata  # the model's own, built by its cache
     logits_rows: torch.Tensor  # [S] last token of each sampling sequence
     sample_slots: torch.Tensor  # [S]
     sampling: SamplingBatch | None
@@ -85,7 +89,7 @@ class StepResult:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: Model,
         kv_groups: list[KVGroup],
         num_blocks: list[int],
         device: torch.device,
@@ -93,10 +97,13 @@ class ModelRunner:
         seed: int = 0,
         cpu_threads: int = 0,
         cuda_graphs: bool = False,
+        after_forward: Callable[[], None] | None = None,
     ) -> None:
+        """`after_forward`: called on the device thread after each forward (the MoE load
+        statistics)."""
         self.model = model
         self.device = device
-        self.cache = model.allocate_cache(kv_groups, num_blocks, device)
+        self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device)
         paged = [i for i, g in enumerate(kv_groups) if not g.spec.per_request]
         self.copier = BlockCopier([self.cache.block_views(i) for i in paged]) if paged else None
         self.vocab_size = model.vocab_size
@@ -112,14 +119,13 @@ class ModelRunner:
         # the engine waits for a step's launch before its loop work: only worth it where the
         # launch returns before the device is done
         self.signals_launch = self.stream is not None
-        self.after_forward: Callable[[], None] | None = None  # e.g. MoE load statistics
+        self.after_forward = after_forward
         # decode steps by graph replay, on CUDA
-        self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda":
-            if isinstance(self.cache, PagedKVCache):
-                self.graphs = DecodeGraphs(model, self.cache, device, max_num_seqs)
-            elif isinstance(self.cache, V4Cache):
-                self.graphs = V4DecodeGraphs(model, self.cache, device, max_num_seqs)
+        self.graphs: DecodeGraphs | None = (
+            model.decode_graphs(self.cache, device, max_num_seqs)
+            if cuda_graphs and device.type == "cuda"
+            else None
+        )
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
@@ -240,7 +246,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_cache_ops(self, ops: CacheOps) -> None:
         """Block saves first (a block saved may be the target of a load), then loads, then
-        sliding-window snapshots."""
+        sliding-window snapshots (only a sliding-window model's prefix cache makes those)."""
         if ops.block_saves:
             payloads = self.copier.gather([s.blocks for s in ops.block_saves])
             for save, payload in zip(ops.block_saves, payloads):
@@ -251,7 +257,8 @@ class ModelRunner:
                 [load.entry.payload for load in ops.block_loads],
             )
         for save in ops.swa_saves:
-            save.snapshot.tensor = self.cache.save_swa(save.swa_block, save.position)
+            window = cast(SlidingWindowCache, self.cache)
+            save.snapshot.tensor = window.save_swa(save.swa_block, save.position)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep, launched: Callable[[], None] | None = None) -> StepResult:
@@ -282,8 +289,8 @@ class ModelRunner:
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         self.run_cache_ops(step.cache_ops)
-        for restore, tables in step.restores:
-            self.cache.restore(restore, tables)
+        for restore, tables in step.restores:  # as swa_saves, only for a sliding-window model
+            cast(SlidingWindowCache, self.cache).restore(restore, tables)
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():
             rows = step.placeholder_rows.to(dev, non_blocking=True)

@@ -1,1 +1,2 @@
-"""Model definitions and checkpoint loading."""
+"""The models the engine drives (the interface in `base.py`), their KV caches and decode graphs,
+and checkpoint loading."""

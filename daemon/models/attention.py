@@ -1,4 +1,5 @@
-"""Paged attention over a flat token batch (decodes first, then prefill chunks), in torch.
+"""Paged attention over a flat token batch (decodes first, then prefill chunks), in torch, and
+`PagedKVCache`, the dense models' cache.
 
 Layout of one step:   [ d0 d1 ... dB | p0 p0 p0 p0 | p1 p1 ... ]
                         decode tokens   prefill chunks (variable length)
@@ -13,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from daemon.kv.spec import FullAttentionSpec
+from daemon.models.base import KVExport, RequestState, SeqSlice
+from daemon.models.kv_transfer import export_blocks, import_blocks
 
 
 @dataclass
@@ -49,22 +52,13 @@ class AttentionBatch:
         )
 
 
-@dataclass
-class SeqSlice:
-    """One sequence's part of a step, as the runner hands it to a model's cache."""
-
-    q_start: int  # first row of the flat token batch
-    start: int  # first position computed
-    num_tokens: int
-    block_tables: list[list[int]]  # one per KV group
-    is_decode: bool
-    replay: bool = False
-    window_floor: int = 0  # replay: no raw KV below this position is used
-
-
 class PagedKVCache:
     """K and V of every layer in flat slots: slot = block * block_size + offset. One block past
-    the pool's is scratch: padded rows of a CUDA-graph batch write their KV there."""
+    the pool's is scratch: padded rows of a CUDA-graph batch write their KV there.
+
+    A request's whole state is in its blocks (one group): there is no per-request state, so a
+    snapshot is empty and a rollback only moves the request's position back (a step attends
+    to the positions before its own, and writes its own before reading them)."""
 
     def __init__(self, spec: FullAttentionSpec, num_blocks: int, device: torch.device) -> None:
         self.block_size = spec.block_size
@@ -90,6 +84,19 @@ class PagedKVCache:
             for kv in self.layers
             for t in kv
         ]
+
+    def snapshot(self, tables: list[list[int]], position: int) -> RequestState:
+        return RequestState(position)  # nothing beyond the blocks
+
+    def restore_state(self, state: RequestState, tables: list[list[int]]) -> None:
+        """Nothing to put back: the blocks are the whole state (see the class)."""
+
+    def export_kv(self, tables: list[list[int]], start: int, end: int) -> KVExport:
+        blocks = export_blocks(self, [0], tables, start, end, self.block_size)
+        return KVExport(start, end, blocks, RequestState(end))
+
+    def import_kv(self, export: KVExport, tables: list[list[int]]) -> None:
+        import_blocks(self, export.blocks, tables, export.start, export.end, self.block_size)
 
     def build_attention(self, seqs: list[SeqSlice]) -> AttentionBatch:
         bs = self.block_size

@@ -14,6 +14,7 @@ from torch import nn
 
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
+from daemon.models.graphs import PagedDecodeGraphs
 from daemon.models.layers import RMSNorm, column_major, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
 
@@ -177,6 +178,11 @@ class DenseForCausalLM(nn.Module):
         self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
     ) -> PagedKVCache:
         return PagedKVCache(groups[0].spec, num_blocks[0], device)
+
+    def decode_graphs(
+        self, cache: PagedKVCache, device: torch.device, max_batch: int
+    ) -> PagedDecodeGraphs:
+        return PagedDecodeGraphs(self, cache, device, max_batch)
 
     def forward(
         self,

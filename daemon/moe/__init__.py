@@ -1,1 +1,2 @@
-"""MoE expert placement, load statistics and rebalancing (arrives with the MoE issue)."""
+"""MoE expert parallelism: expert placement, load statistics, live rebalancing and the lockstep
+device worker. A layer below models (the V4 MoE layers use `ep.py`): imports nothing above."""

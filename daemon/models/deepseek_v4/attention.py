@@ -16,19 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from daemon.models.deepseek_v4.batch import ChunkQueries, EntryTable, V4Batch, V4Decodes
 from daemon.models.deepseek_v4.blocks import (
     FP32RMSNorm,
     GroupedLinear,
     InterleavedRope,
     rms_scale,
 )
-from daemon.models.deepseek_v4.cache import (
-    ChunkQueries,
-    EntryTable,
-    V4Batch,
-    V4Cache,
-    V4Decodes,
-)
+from daemon.models.deepseek_v4.cache import V4Cache
 from daemon.models.deepseek_v4.compressor import Compressor
 from daemon.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from daemon.models.deepseek_v4.sparse import (

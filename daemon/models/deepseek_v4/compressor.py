@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from daemon.models.deepseek_v4.batch import ChunkWindows, DecodeEntries
 from daemon.models.deepseek_v4.blocks import FP32RMSNorm, InterleavedRope
-from daemon.models.deepseek_v4.cache import ChunkWindows, CompressorState, DecodeEntries
+from daemon.models.deepseek_v4.kv import CompressorState
 from daemon.models.deepseek_v4.sparse import gather_rows
 
 

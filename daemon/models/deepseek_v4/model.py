@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from daemon.kv.spec import KVGroup
-from daemon.models.deepseek_v4 import cache as v4cache
+from daemon.models.deepseek_v4 import kv as v4kv
 from daemon.models.deepseek_v4.attention import V4Attention
+from daemon.models.deepseek_v4.batch import V4Batch
 from daemon.models.deepseek_v4.blocks import (
     FP32RMSNorm,
     HyperConnection,
@@ -15,8 +16,9 @@ from daemon.models.deepseek_v4.blocks import (
     InterleavedRope,
     MoE,
 )
-from daemon.models.deepseek_v4.cache import V4Batch, V4Cache
+from daemon.models.deepseek_v4.cache import V4Cache
 from daemon.models.deepseek_v4.config import V4Config
+from daemon.models.deepseek_v4.graphs import V4DecodeGraphs
 from daemon.models.deepseek_v4.weights import Part, checkpoint_target
 from daemon.models.layers import column_major
 
@@ -75,12 +77,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.cfg.max_position_embeddings
 
     def kv_groups(self, dtype: torch.dtype, block_size: int) -> list[KVGroup]:
-        return v4cache.kv_groups(self.cfg, dtype)
+        return v4kv.kv_groups(self.cfg, dtype)
 
     def allocate_cache(
         self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
     ) -> V4Cache:
         return V4Cache(self.cfg, groups, num_blocks, device)
+
+    def decode_graphs(self, cache: V4Cache, device: torch.device, max_batch: int) -> V4DecodeGraphs:
+        return V4DecodeGraphs(self, cache, device, max_batch)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch, cache: V4Cache

@@ -1,0 +1,176 @@
+"""The model interface the engine drives: a model over a prepared batch, its device cache and
+the per-request state operations on that cache (rollback, transfer), as typed contracts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from daemon.kv.spec import KVGroup
+
+if TYPE_CHECKING:
+    from daemon.kv.prefix import RestoreOp
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step, as the runner hands it to a model's cache."""
+
+    q_start: int  # first row of the flat token batch
+    start: int  # first position computed
+    num_tokens: int
+    block_tables: list[list[int]]  # one per KV group
+    is_decode: bool
+    replay: bool = False
+    window_floor: int = 0  # replay: no raw KV below this position is used
+
+
+@dataclass
+class RequestState:
+    """A request's per-request state (beyond its paged blocks) after its first `position`
+    tokens: the model's own tensors, in an order only its cache reads. Empty for a model whose
+    whole state is in paged blocks."""
+
+    position: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def to(self, device: torch.device | str) -> RequestState:
+        return RequestState(self.position, [t.to(device, copy=True) for t in self.tensors])
+
+
+@dataclass
+class KVExport:
+    """A request's KV state for tokens [start, end), as plain CPU tensors: for each paged group
+    (by group index) the rows of every block view for the blocks covering the range, block by
+    block; and the per-request state at `end`."""
+
+    start: int
+    end: int
+    blocks: dict[int, list[torch.Tensor]]  # group -> one [blocks, ...] tensor per block view
+    state: RequestState
+
+
+class AttentionMetadata(Protocol):
+    """A step's attention metadata, built on the host by `ModelCache.build_attention`; opaque to
+    the engine but for moving it to the device (asynchronously where it can)."""
+
+    def to(self, device: torch.device) -> AttentionMetadata: ...
+
+
+class ModelCache(Protocol):
+    """A model's KV storage on the device, one pool per KV group (as `Model.kv_groups` declared
+    them), indexed by the blocks the engine's KV manager hands out.
+
+    Per-request state operations (speculative rollback, prefill/decode transfer): `tables` are
+    the request's block tables, one per group, as the manager holds them. The caller runs them
+    on the device thread, between steps, when the cache holds exactly the request's first
+    `position` (snapshot) or `end` (export) tokens."""
+
+    def build_attention(self, seqs: list[SeqSlice]) -> AttentionMetadata:
+        """The metadata of one step's flat token batch (host tensors), sequences in row order."""
+        ...
+
+    def block_views(self, group: int) -> list[torch.Tensor]:
+        """Every tensor of paged group `group`, indexed by the pool's blocks on dim 0."""
+        ...
+
+    def snapshot(self, tables: list[list[int]], position: int) -> RequestState:
+        """The request's per-request state after its first `position` tokens, copied on the
+        device: what `restore_state` needs to undo any steps that follow (rejected draft
+        tokens). Paged blocks are not copied: rows past `position` are not read before they
+        are written again."""
+        ...
+
+    def restore_state(self, state: RequestState, tables: list[list[int]]) -> None:
+        """Put a snapshot (or an imported state) into the request's per-request blocks: its next
+        step then continues from `state.position` as if nothing had run since."""
+        ...
+
+    def export_kv(self, tables: list[list[int]], start: int, end: int) -> KVExport:
+        """The request's KV for [start, end) on the host: `start` a multiple of the paged block
+        size, `end` the request's computed length (its last block may be partly filled)."""
+        ...
+
+    def import_kv(self, export: KVExport, tables: list[list[int]]) -> None:
+        """Write an export (from a cache of the same model and block size) into this request's
+        blocks: its next step continues at `export.end` as on the exporting cache."""
+        ...
+
+
+class SlidingWindowCache(ModelCache, Protocol):
+    """The cache of a model with a sliding-window group ("swa"): what the prefix cache needs to
+    resume a request at a block boundary. The prefix cache makes sliding-window saves and
+    restores only for such a model."""
+
+    @property
+    def swa_snapshot_bytes(self) -> int:
+        """Host bytes of one `save_swa` snapshot."""
+        ...
+
+    @property
+    def replay_tokens(self) -> int:
+        """Tokens a replay recomputes before a boundary to rebuild its window exactly."""
+        ...
+
+    def save_swa(self, swa_block: int, position: int) -> torch.Tensor:
+        """The window's raw KV before `position` (ring `swa_block`), every layer, on the host."""
+        ...
+
+    def restore(self, op: RestoreOp, tables: list[list[int]]) -> None:
+        """Before a resumed request's first step: its per-request state at the block boundary
+        `op.position` (the window from `op.snapshot` if there is one)."""
+        ...
+
+
+class DecodeGraphs(Protocol):
+    """Captured decode forwards (CUDA graphs), replayed on the device thread."""
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The forward's output for a decode step by replay; None when no graph fits the step
+        (the caller runs it eagerly)."""
+        ...
+
+
+class Model(Protocol):
+    """A causal LM over the engine's flat token batch."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def kv_groups(self, dtype: torch.dtype, block_size: int) -> list[KVGroup]:
+        """The KV groups the model needs (`block_size`: the paged block size asked for, which a
+        model with its own block geometry may ignore)."""
+        ...
+
+    def allocate_cache(
+        self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+    ) -> ModelCache:
+        """Storage for `num_blocks[i]` blocks of each group of `kv_groups`."""
+        ...
+
+    def decode_graphs(
+        self, cache: ModelCache, device: torch.device, max_batch: int
+    ) -> DecodeGraphs | None:
+        """Decode graphs over `cache` for up to `max_batch` sequences; None: the model has none."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        cache: ModelCache,
+    ) -> torch.Tensor:
+        """The forward over a prepared batch: a hidden row for every token (writes its KV)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the forward's rows `hidden` (chosen rows only)."""
+        ...
