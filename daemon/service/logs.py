@@ -11,6 +11,8 @@ from typing import Any, TextIO
 
 import structlog
 
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("auto", "console", "json")  # auto: JSON unless the sink is a terminal
 MASK = "[redacted]"
 _SECRETS: dict[str, None] = {}  # each secret's forms (as is, JSON- and repr-escaped), in order
 
@@ -81,7 +83,7 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
             colors=SINK.isatty(), exception_formatter=_console_tracebacks()
         )
     else:
-        raise ValueError(f"unknown log format {fmt!r} (auto, console or json)")
+        raise ValueError(f"unknown log format {fmt!r} ({', '.join(FORMATS[:-1])} or {FORMATS[-1]})")
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
