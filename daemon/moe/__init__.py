@@ -1,1 +1,2 @@
-"""MoE expert placement, load statistics and rebalancing (arrives with the MoE issue)."""
+"""MoE expert parallelism: expert placement, load statistics, live rebalancing, the lockstep
+executor and the all-to-all exchanges of one MoE layer."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import structlog
@@ -15,6 +16,15 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("auto", "console", "json")  # auto: JSON unless the sink is a terminal
 MASK = "[redacted]"
 _SECRETS: dict[str, None] = {}  # each secret's forms (as is, JSON- and repr-escaped), in order
+
+
+@dataclass
+class LogConfig:
+    """The [logging] settings."""
+
+    level: str = "info"  # one of LEVELS
+    format: str = "auto"  # one of FORMATS
+    file: str | None = None  # append here instead of stderr; reopened on SIGHUP
 
 
 def add_secret(secret: str | None) -> None:

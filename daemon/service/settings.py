@@ -1,8 +1,8 @@
 """Settings of one daemon instance: a TOML file, overridden by DEEPINFER_<SECTION>_<KEY>
 environment variables, overridden by command-line flags; checked before anything starts.
 
-    [engine]   EngineConfig fields      [server]   ServerConfig fields
-    [logging]  level, format, file
+    [engine]   EngineConfig (build.config)      [server]   ServerConfig (api.http.config)
+    [logging]  LogConfig (service.logs)
 """
 
 from __future__ import annotations
@@ -30,20 +30,17 @@ TOOL_CALL_PARSERS = ("auto", "none", *PARSERS)
 
 
 @dataclass
-class LogConfig:
-    level: str = "info"  # one of logs.LEVELS
-    format: str = "auto"  # one of logs.FORMATS
-    file: str | None = None  # append here instead of stderr; reopened on SIGHUP
-
-
-@dataclass
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-    logging: LogConfig = field(default_factory=LogConfig)
+    logging: logs.LogConfig = field(default_factory=logs.LogConfig)
 
 
-SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "logging": LogConfig}
+SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "server": ServerConfig,
+    "logging": logs.LogConfig,
+}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
