@@ -117,7 +117,8 @@ def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
 
     from daemon.build.config import EngineConfig
     from daemon.build.engine import resolve_overlap
-    from daemon.service.cli import _overrides, build_parser
+    from daemon.service.cli import build_parser
+    from daemon.service.flags import overrides
 
     cores, cpu = len(os.sched_getaffinity(0)), torch.device("cpu")
     assert resolve_overlap(EngineConfig(), cpu, cores) is False
@@ -128,14 +129,15 @@ def test_overlap_by_default_only_where_the_forward_leaves_a_core_free() -> None:
     assert resolve_overlap(EngineConfig(overlap=False), torch.device("cuda"), 0) is False
     flags = {(): None, ("--overlap",): True, ("--no-overlap",): False}
     for args, want in flags.items():
-        given = _overrides(build_parser().parse_args(["serve", *args]))["engine"]
+        given = overrides(build_parser().parse_args(["serve", *args]))["engine"]
         assert given.get("overlap") is want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--overlap", "--no-overlap"])
 
 
 def test_thinking_default_from_file_environment_and_flag(tmp_path: Path) -> None:
-    from daemon.service.cli import _settings, build_parser
+    from daemon.service.cli import build_parser
+    from daemon.service.flags import settings_from
 
     assert load_settings().server.thinking_default == "auto"
     path = _write(tmp_path, "[server]\nthinking_default = 'off'\n")
@@ -143,4 +145,4 @@ def test_thinking_default_from_file_environment_and_flag(tmp_path: Path) -> None
     env = {"DEEPINFER_SERVER_THINKING_DEFAULT": "on"}
     assert load_settings(path, env).server.thinking_default == "on"
     args = build_parser().parse_args(["serve", "--config", str(path), "--thinking-default", "on"])
-    assert _settings(args).server.thinking_default == "on"
+    assert settings_from(args).server.thinking_default == "on"

@@ -60,6 +60,9 @@ class Codec:
         return self.decode(again[: len(ids)])
 
 
+DEFAULT_VOCAB_SIZE = 32000  # ids are drawn below this with neither a vocab size nor a tokenizer
+
+
 class TokenSource:
     """Seeded random token ids: from the codec's non-special ids, else [0, vocab_size)."""
 
@@ -70,7 +73,7 @@ class TokenSource:
         elif codec is not None:
             self.pool = codec.allowed
         else:
-            self.pool = range(32000)
+            self.pool = range(DEFAULT_VOCAB_SIZE)
         self.vocab_size = vocab_size or (max(self.pool) + 1)
 
     def ids(self, n: int) -> list[int]:

@@ -1,9 +1,13 @@
-"""Flags of `deepinfer bench serve` (argparse only, so the CLI stays import-light)."""
+"""Flags of `deepinfer bench serve` (argparse and pure-Python defaults only, so the CLI stays
+import-light)."""
 
 from __future__ import annotations
 
 import argparse
 
+from daemon.benchmark.datasets import DEFAULT_VOCAB_SIZE
+
+DEFAULT_NUM_PROMPTS = 200  # random / prefix-sharing, without --num-prompts or --duration
 DATASETS = ("random", "prefix-sharing", "chat", "agent")
 PROMPT_FORMATS = ("ids", "text")
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -69,7 +73,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="random token ids are drawn below this (default: the tokenizer's size, else 32000)",
+        help="random token ids are drawn below this (default: the tokenizer's size, else "
+        f"{DEFAULT_VOCAB_SIZE})",
     )
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument(
@@ -85,8 +90,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--num-prompts",
         type=int,
         default=None,
-        help="requests to send (random/prefix-sharing: default 200; chat/agent: caps the "
-        "trace's turns, the first N by nominal arrival)",
+        help=f"requests to send (random/prefix-sharing: default {DEFAULT_NUM_PROMPTS}; chat/agent: "
+        "caps the trace's turns, the first N by nominal arrival)",
     )
     d.add_argument("--input-len", type=int, default=256, help="random: prompt tokens; "
                    "prefix-sharing: tokens after the shared prefix")  # fmt: skip

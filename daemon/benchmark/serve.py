@@ -42,9 +42,9 @@ from daemon.benchmark.datasets import (
     trace_sessions,
 )
 from daemon.benchmark.metrics import Summary, report, summarize
+from daemon.benchmark.options import DEFAULT_NUM_PROMPTS
 from daemon.benchmark.traces import DEFAULTS, Session
 
-DEFAULT_NUM_PROMPTS = 200
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600, sock_connect=10)
 TRACE_DATASETS = ("chat", "agent")
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEVICES = ("auto", "cpu", "cuda", "npu")  # auto: cuda when torch sees one, else cpu
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the checkpoint's (fp32 on a CPU)
+
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None = the built-in demo model
     served_model_name: str | None = None
-    device: str = "auto"  # auto | cpu | cuda | npu
-    dtype: str = "auto"  # auto (from the config) | float32 | float16 | bfloat16
+    device: str = "auto"  # one of DEVICES
+    dtype: str = "auto"  # one of DTYPES
     kv_cache_memory_gb: float = 1.0
     block_size: int = 16
     max_num_seqs: int = 128

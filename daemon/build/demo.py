@@ -1,5 +1,5 @@
-"""The built-in demo model: a small random-weight DeepSeek-V4 with the real V4 tokenizer, made
-deterministically on first use (no transformers needed) and cached."""
+"""The built-in demo model: a small random-weight DeepSeek-V4 (MoE, 8 routed experts) with the
+real V4 tokenizer, made deterministically on first use (no transformers needed) and cached."""
 
 from __future__ import annotations
 

@@ -7,9 +7,11 @@ import importlib
 import structlog
 import torch
 
+from daemon.build.config import DEVICES, DTYPES
+
 log = structlog.get_logger(__name__)
 
-_DTYPES = {
+_DTYPES = {  # DTYPES, and the aliases a checkpoint's config may name them by
     "float32": torch.float32,
     "float": torch.float32,
     "float16": torch.float16,
@@ -30,14 +32,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
     if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda or npu")
+        raise ValueError(f"unknown device {name!r}; use {_one_of(DEVICES)}")
     return torch.device(name)
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     if name != "auto":
         if name not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; use auto, float32, float16 or bfloat16")
+            raise ValueError(f"unknown dtype {name!r}; use {_one_of(DTYPES)}")
         return _DTYPES[name]
     dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
     if device.type == "cpu" and dtype != torch.float32:
@@ -45,3 +47,7 @@ def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device)
         log.info("cpu_dtype_upcast", checkpoint_dtype=checkpoint_dtype, dtype="float32")
         return torch.float32
     return dtype
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}"

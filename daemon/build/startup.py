@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-EXIT_STARTUP_FAILED = 3  # 2 is an invalid setting (see cli.py)
+EXIT_STARTUP_FAILED = 3  # 2: an invalid setting (service.settings.EXIT_INVALID_SETTINGS)
 
 
 class StartupError(Exception):

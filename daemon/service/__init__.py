@@ -1,1 +1,2 @@
-"""The daemon as a service: command line, settings, logging, systemd, the serve loop."""
+"""The daemon as a service: the command line (cli, flags, generate, config check), settings,
+logging, systemd notify, the serve loop, the admin client and the in-process server."""

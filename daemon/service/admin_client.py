@@ -5,41 +5,69 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
-_REQUESTS = {
-    "status": ("GET", "/status"),
-    "expert-load": ("GET", "/expert-load"),
-    "rebalance-now": ("POST", "/rebalance"),
-    "set-intervals": ("POST", "/intervals"),
-    "drain": ("POST", "/drain"),
-    "resume": ("POST", "/resume"),
+
+@dataclass(frozen=True)
+class AdminCommand:
+    method: str
+    path: str  # on the admin socket (api.http.admin)
+    help: str
+
+
+COMMANDS = {
+    "status": AdminCommand("GET", "/status", "engine, cache and MoE state"),
+    "expert-load": AdminCommand(
+        "GET", "/expert-load", "per MoE layer: expert loads, rank loads, imbalance (max/mean)"
+    ),
+    "rebalance-now": AdminCommand(
+        "POST", "/rebalance", "place the experts anew from the load window, live"
+    ),
+    "set-intervals": AdminCommand(
+        "POST", "/intervals", "MoE statistics / rebalance intervals (rank 0)"
+    ),
+    "drain": AdminCommand("POST", "/drain", "stop admitting requests (503); running ones finish"),
+    "resume": AdminCommand("POST", "/resume", "admit requests again"),
 }
 
 
+def add_admin_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", required=True, help="the daemon's admin socket path")
+    sub = p.add_subparsers(dest="admin_command", required=True)
+    for name, command in COMMANDS.items():
+        cmd = sub.add_parser(name, help=command.help)
+        if name == "set-intervals":
+            cmd.add_argument("--stats", type=int, help="steps between expert-load samples")
+            cmd.add_argument("--rebalance", type=int, help="steps between placements (0: off)")
+
+
 async def call(socket_path: str, command: str, body: dict | None = None) -> tuple[int, dict]:
-    method, path = _REQUESTS[command]
+    import aiohttp  # here, not above: the parser (add_admin_arguments) stays import-light
+
+    c = COMMANDS[command]
     async with (
         aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket_path)) as http,
-        http.request(method, "http://admin" + path, json=body) as r,
+        http.request(c.method, "http://admin" + c.path, json=body) as r,
     ):
         return r.status, await r.json(content_type=None)
 
 
-def run_admin(socket_path: str, command: str, args: argparse.Namespace) -> int:
+def run_admin(args: argparse.Namespace) -> int:
+    import aiohttp
+
     body = None
-    if command == "set-intervals":
+    if args.admin_command == "set-intervals":
         body = {
             k: v
             for k, v in (("stats_interval", args.stats), ("rebalance_interval", args.rebalance))
             if v is not None
         }
     try:
-        status, answer = asyncio.run(call(socket_path, command, body))
+        status, answer = asyncio.run(call(args.socket, args.admin_command, body))
     except (aiohttp.ClientError, OSError) as e:
-        print(f"deepinfer admin: cannot reach {socket_path}: {e}", file=sys.stderr)
+        print(f"deepinfer admin: cannot reach {args.socket}: {e}", file=sys.stderr)
         return 1
     print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())
     return 0 if status < 400 else 1

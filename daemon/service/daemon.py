@@ -20,7 +20,7 @@ from daemon.build.demo import is_demo
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
 from daemon.models.loader import read_config
-from daemon.service import logs as logging_setup
+from daemon.service import logs
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
 
@@ -61,7 +61,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         signal.signal(signal.SIGTERM, previous)
     demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
-    logging_setup.add_secret(server_cfg.api_key)
+    logs.add_secret(server_cfg.api_key)
     app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
@@ -141,15 +141,15 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
     nothing."""
     if reload is None:
         try:
-            logging_setup.SINK.reopen()
+            logs.SINK.reopen()
         except OSError as e:  # logs go on to the file as it was open
             log.warning("logs_reopen_failed", file=e.filename, error=e.strerror)
             return
-        log.info("logs_reopened", file=logging_setup.SINK.path)
+        log.info("logs_reopened", file=logs.SINK.path)
         return
     try:
         new = reload()
-        logging_setup.setup_logging(new.logging.level, new.logging.format, new.logging.file)
+        logs.setup_logging(new.logging.level, new.logging.format, new.logging.file)
     except ConfigError as e:
         log.warning("settings_reload_rejected", error=str(e))
         return
@@ -158,7 +158,7 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
             "settings_reload_rejected", error=f"cannot open the log file {e.filename}: {e.strerror}"
         )
         return
-    logging_setup.add_secret(new.server.api_key)
+    logs.add_secret(new.server.api_key)
     state.api_key, state.max_waiting = new.server.api_key, new.server.max_waiting
     if state.engine.moe is not None:
         state.engine.moe.set_intervals(

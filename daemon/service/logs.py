@@ -7,12 +7,24 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import structlog
 
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("auto", "console", "json")  # auto: JSON unless the sink is a terminal
 MASK = "[redacted]"
 _SECRETS: dict[str, None] = {}  # each secret's forms (as is, JSON- and repr-escaped), in order
+
+
+@dataclass
+class LogConfig:
+    """The [logging] settings."""
+
+    level: str = "info"  # one of LEVELS
+    format: str = "auto"  # one of FORMATS
+    file: str | None = None  # append here instead of stderr; reopened on SIGHUP
 
 
 def add_secret(secret: str | None) -> None:
@@ -81,7 +93,7 @@ def setup_logging(level: str = "info", fmt: str = "auto", file: str | None = Non
             colors=SINK.isatty(), exception_formatter=_console_tracebacks()
         )
     else:
-        raise ValueError(f"unknown log format {fmt!r} (auto, console or json)")
+        raise ValueError(f"unknown log format {fmt!r} ({', '.join(FORMATS[:-1])} or {FORMATS[-1]})")
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

@@ -1,8 +1,8 @@
 """Settings of one daemon instance: a TOML file, overridden by DEEPINFER_<SECTION>_<KEY>
 environment variables, overridden by command-line flags; checked before anything starts.
 
-    [engine]   EngineConfig fields      [server]   ServerConfig fields
-    [logging]  level, format, file
+    [engine]   EngineConfig (build.config)      [server]   ServerConfig (api.http.config)
+    [logging]  LogConfig (service.logs)
 """
 
 from __future__ import annotations
@@ -16,28 +16,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
+from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
-from daemon.build.config import EngineConfig
+from daemon.build.config import DEVICES, DTYPES, EngineConfig
+from daemon.kv.swa_policy import POLICIES
+from daemon.kv.traffic import TrafficClasses
+from daemon.service import logs
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMATS = ("auto", "console", "json")
-
-
-@dataclass
-class LogConfig:
-    level: str = "info"
-    format: str = "auto"  # auto: JSON when stderr is not a terminal
-    file: str | None = None  # append here instead of stderr; reopened on SIGHUP
+EXIT_INVALID_SETTINGS = 2  # systemd does not restart it (RestartPreventExitStatus)
+# auto: the format the chat template teaches; none: no tool calls (api.codecs.chat_template)
+TOOL_CALL_PARSERS = ("auto", "none", *PARSERS)
 
 
 @dataclass
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-    logging: LogConfig = field(default_factory=LogConfig)
+    logging: logs.LogConfig = field(default_factory=logs.LogConfig)
 
 
-SECTIONS: dict[str, type] = {"engine": EngineConfig, "server": ServerConfig, "logging": LogConfig}
+SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "server": ServerConfig,
+    "logging": logs.LogConfig,
+}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -169,19 +172,14 @@ def _parse_text(name: str, text: str, hint: Any) -> Any:
 
 def check(s: Settings) -> None:
     """Values each setting can take, and how settings must agree with each other."""
-    from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
-    from daemon.api.codecs.tool_parsers import PARSERS
-    from daemon.kv.swa_policy import POLICIES
-    from daemon.kv.traffic import TrafficClasses
-
     e, sv, lg = s.engine, s.server, s.logging
-    _choice("engine.device", e.device, ("auto", "cpu", "cuda", "npu"))
-    _choice("engine.dtype", e.dtype, ("auto", "float32", "float16", "bfloat16"))
+    _choice("engine.device", e.device, DEVICES)
+    _choice("engine.dtype", e.dtype, DTYPES)
     _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
-    _choice("logging.level", lg.level, LOG_LEVELS)
+    _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
-    _choice("server.tool_call_parser", sv.tool_call_parser, ("auto", "none", *PARSERS))
-    _choice("logging.format", lg.format, LOG_FORMATS)
+    _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)
+    _choice("logging.format", lg.format, logs.FORMATS)
     for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(e, key) <= 0:
             raise ConfigError(f"engine.{key}", "must be positive")

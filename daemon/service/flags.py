@@ -1,0 +1,264 @@
+"""The flags that set settings (`serve`, `generate`) and the {section: {key: value}} overrides
+they make. A flag not given is absent (argparse.SUPPRESS): the file and environment stand."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
+from daemon.api.http.config import ServerConfig
+from daemon.build.config import DEVICES, DTYPES, EngineConfig
+from daemon.build.paths import default_store_dir
+from daemon.kv.swa_policy import POLICIES
+from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
+from daemon.service import logs
+from daemon.service.settings import SECTIONS, TOOL_CALL_PARSERS, Settings, load_settings
+
+S = argparse.SUPPRESS
+
+# flags whose settings key or value differs from the flag's (dest -> section, key, value)
+_RENAMED: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
+    "no_overlap": ("engine", "overlap", lambda v: not v),
+    "no_prefix_caching": ("engine", "prefix_caching", lambda v: not v),
+    "no_kv_store": ("engine", "kv_store_dir", lambda v: ""),
+    "traffic_class": ("engine", "traffic_classes", lambda v: v),
+    "log_level": ("logging", "level", lambda v: v),
+    "log_format": ("logging", "format", lambda v: v),
+    "log_file": ("logging", "file", lambda v: v),
+}
+
+
+def _default(cls: type, key: str) -> str:
+    """A config field's default as help text shows it (3600.0 as 3600)."""
+    value = getattr(cls, key)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """`serve`: the settings file, the [server] flags, then the [engine] and [logging] ones."""
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML settings file ([engine], [server], [logging]); environment variables "
+        "DEEPINFER_<SECTION>_<KEY> and flags override it",
+    )
+    p.add_argument("--host", default=S)
+    p.add_argument("--port", type=int, default=S)
+    p.add_argument("--max-body-bytes", type=int, default=S)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=S,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    p.add_argument(
+        "--api-key",
+        default=S,
+        help="require this key (Authorization: Bearer <key> or x-api-key: <key>)",
+    )
+    p.add_argument(
+        "--admin-socket",
+        default=S,
+        help="serve the admin API on this Unix socket (mode 0600); see `deepinfer admin`",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=S,
+        help="answer 429 once this many requests wait for the engine (0 = no limit)",
+    )
+    p.add_argument(
+        "--thinking-default",
+        default=S,
+        choices=THINKING_DEFAULTS,
+        help="DeepSeek-V4, requests that do not say whether to think (auto: Messages no, "
+        "Chat Completions and Responses yes, as Anthropic's and DeepSeek's APIs do)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=S,
+        help=f"dense models' tool-call format: {' | '.join(TOOL_CALL_PARSERS)} (auto: the one "
+        "the chat template teaches)",
+    )
+    p.add_argument(
+        "--response-store-max-count",
+        type=int,
+        default=S,
+        help="stored Responses kept for GET and previous_response_id (0 = none; default "
+        f"{_default(ServerConfig, 'response_store_max_count')})",
+    )
+    p.add_argument(
+        "--response-store-memory-gb",
+        type=float,
+        default=S,
+        help=f"default {_default(ServerConfig, 'response_store_memory_gb')}",
+    )
+    p.add_argument(
+        "--response-store-ttl-s",
+        type=float,
+        default=S,
+        help="a stored response goes this long after its last use (default "
+        f"{_default(ServerConfig, 'response_store_ttl_s')})",
+    )
+    add_engine_flags(p)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """[engine] (with its MoE group) and [logging]: what `serve` and `generate` share."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=S,
+        help="checkpoint directory (default: the built-in random-weight demo model)",
+    )
+    g.add_argument("--served-model-name", default=S, help="model name the API answers to")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=S)
+    g.add_argument("--max-num-seqs", type=int, default=S)
+    g.add_argument("--max-num-batched-tokens", type=int, default=S)
+    g.add_argument("--max-model-len", type=int, default=S)
+    g.add_argument("--block-size", type=int, default=S)
+    overlap = g.add_mutually_exclusive_group()
+    overlap.add_argument(
+        "--overlap",
+        action="store_true",
+        default=S,
+        help="schedule step N+1 while step N runs, also on a CPU whose forward takes every core "
+        "(default: on with an accelerator, or where a core is left to the event loop)",
+    )
+    overlap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        default=S,
+        help="schedule each step only after the previous one's outputs are processed",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=S,
+        help="run every step eagerly (no CUDA graphs for decode steps)",
+    )
+    g.add_argument("--dtype", default=S, help=" | ".join(DTYPES))
+    g.add_argument("--device", default=S, help=" | ".join(DEVICES))
+    g.add_argument("--seed", type=int, default=S)
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=S,
+        help="torch threads on a CPU device (0: all cores; with overlap on more than 4 cores, one is left to the event loop)",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=S,
+        help="recompute every prompt from scratch",
+    )
+    g.add_argument(
+        "--swa-miss-policy",
+        default=S,
+        choices=POLICIES,
+        help="DeepSeek-V4, cached blocks but no sliding-window state: replay the window's reach "
+        "(layers x (window - 1) tokens, exact), only the last window (the seed's bounded "
+        "replay, approximate) or recompute from the last stored state",
+    )
+    g.add_argument("--swa-cache-memory-gb", type=float, default=S)
+    g.add_argument("--swa-cache-ttl-s", type=float, default=S)
+    g.add_argument(
+        "--host-cache-memory-gb",
+        type=float,
+        default=S,
+        help="host-memory tier of the prefix cache (0: off)",
+    )
+    g.add_argument(
+        "--kv-store-dir",
+        default=S,
+        help="block store directory shared by all daemons (a 3FS mount; default: "
+        "$DEEPINFER_CACHE/kv-store, i.e. ~/.cache/deepinfer/kv-store)",
+    )
+    g.add_argument("--no-kv-store", action="store_true", default=S, help="keep no blocks on disk")
+    g.add_argument(
+        "--kv-store-fsync",
+        action="store_true",
+        default=S,
+        help="fsync each block before publishing it",
+    )
+    g.add_argument("--kv-store-io-threads", type=int, default=S)
+    g.add_argument(
+        "--kv-store-capacity-gb",
+        type=float,
+        default=S,
+        help="evict above the high watermark of this (0: the file system's size)",
+    )
+    g.add_argument("--kv-store-high-watermark", type=float, default=S)
+    g.add_argument("--kv-store-low-watermark", type=float, default=S)
+    g.add_argument("--kv-store-gc-interval-s", type=float, default=S)
+    g.add_argument(
+        "--kv-store-read-timeout-s",
+        type=float,
+        default=S,
+        help="a block read not back by then is a miss (a hung network file system)",
+    )
+    retention = ", ".join(f"{name}={s / DAY:g}d" for name, s in DEFAULT_RETENTION_S.items())
+    g.add_argument(
+        "--traffic-class",
+        action="append",
+        default=S,
+        metavar="NAME=DURATION",
+        help="block-store retention of a traffic class, e.g. agent=3d, batch=12h "
+        f"(defaults: {retention}; 0: never stored)",
+    )
+    m = p.add_argument_group("MoE expert parallelism (one daemon process per rank)")
+    m.add_argument("--ep-size", type=int, default=S, help="ranks in the group (1: off)")
+    m.add_argument("--ep-rank", type=int, default=S)
+    m.add_argument(
+        "--ep-master",
+        default=S,
+        help=f"host:port of rank 0 (default {_default(EngineConfig, 'ep_master')})",
+    )
+    m.add_argument("--ep-slots-per-rank", type=int, default=S, help="0: ceil(experts/ranks)+1")
+    m.add_argument(
+        "--moe-stats-interval",
+        type=int,
+        default=S,
+        help=f"steps (default {_default(EngineConfig, 'moe_stats_interval')})",
+    )
+    m.add_argument(
+        "--moe-rebalance-interval",
+        type=int,
+        default=S,
+        help=f"steps (default {_default(EngineConfig, 'moe_rebalance_interval')}; 0: on command)",
+    )
+    m.add_argument(
+        "--moe-stats-window",
+        type=int,
+        default=S,
+        help=f"samples (default {_default(EngineConfig, 'moe_stats_window')})",
+    )
+    g.add_argument("--log-level", default=S, choices=logs.LEVELS)
+    g.add_argument("--log-format", default=S, choices=logs.FORMATS, help="auto: JSON unless a TTY")
+    g.add_argument("--log-file", default=S, help="append logs here (SIGHUP reopens it)")
+
+
+def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{section: {key: value}} for the flags given on the command line."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    keys = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
+    for dest, value in vars(args).items():
+        if dest in _RENAMED:
+            section, key, convert = _RENAMED[dest]
+            out[section][key] = convert(value)
+        elif dest in keys["engine"]:
+            out["engine"][dest] = value
+        elif dest in keys["server"]:
+            out["server"][dest] = value
+    return out
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The settings file (`--config`), the environment and the flags, merged and checked."""
+    # serving keeps blocks on disk unless told otherwise (`kv_store_dir = ""` turns it off)
+    base = {"engine": {"kv_store_dir": str(default_store_dir())}}
+    return load_settings(getattr(args, "config", None), os.environ, overrides(args), base=base)
