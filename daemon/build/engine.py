@@ -125,8 +125,7 @@ def _prefix_cache(
             io_threads=cfg.kv_store_io_threads,
             read_timeout_s=cfg.kv_store_read_timeout_s,
         )
-    names = [getattr(g.spec, "name", "") for g in kv.groups]
-    if "swa" not in names:
+    if kv.swa_group is None:
         return PrefixCache(kv, salt, **tiers)
     cache = runner.cache
     swa = SWACache(int(cfg.swa_cache_memory_gb * 2**30), cfg.swa_cache_ttl_s)
@@ -135,7 +134,7 @@ def _prefix_cache(
         salt,
         **tiers,
         swa=swa,
-        swa_group=names.index("swa"),
+        swa_group=kv.swa_group,
         swa_bytes=cache.swa_snapshot_bytes,
         replay_tokens=(
             cache.cfg.sliding_window if cfg.swa_miss_policy == "window" else cache.replay_tokens

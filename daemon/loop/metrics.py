@@ -122,7 +122,7 @@ class _EngineCollector:
         )
         for group, u in zip(self.engine.kv.groups, self.engine.kv.usage()):
             used = 1 - u.num_free / u.num_blocks if u.num_blocks else 0.0
-            usage.add_metric([getattr(group.spec, "name", "full")], used)
+            usage.add_metric([group.spec.name], used)
         yield usage
         preempted = self.engine.scheduler.num_preemptions
         yield CounterMetricFamily(
