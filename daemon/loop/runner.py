@@ -163,7 +163,7 @@ class ModelRunner:
                 input_ids.append(-1)
             positions.extend(range(start, end))
             tables = kv.block_tables(req.request_id)
-            floor = req.replay_from if seq.replay else 0
+            floor = req.prefix.replay_from if seq.replay else 0
             slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
             if seq.restore is not None:
                 restores.append((seq.restore, [list(t) for t in tables]))
