@@ -16,7 +16,7 @@ from daemon.kv.request_state import PrefixRequest
 from daemon.kv.swa_cache import SWACache
 from daemon.kv.swa_marks import chunk_limit, due_marks, snapshot_marks
 from daemon.kv.swa_policy import POLICIES
-from daemon.kv.tier_ops import CacheOps, RestoreOp, SWASave, TierQueue
+from daemon.kv.tier_ops import CacheOps, RestoreOp, TierQueue
 from daemon.kv.tier_stats import CacheStats
 from daemon.kv.traffic import TrafficClasses
 
@@ -284,7 +284,7 @@ class PrefixCache:
             snapshot = self.swa.reserve(keys[index], position, self.swa_bytes)
             if snapshot is not None:
                 swa_block = self.kv.swa_block(req.request_id)
-                self.queue.ops.swa_saves.append(SWASave(snapshot, swa_block, position))
+                self.queue.save_swa(snapshot, swa_block, position)
 
     def _account(self, req: PrefixRequest) -> None:
         s, use = self.stats, req.cache

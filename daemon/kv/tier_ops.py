@@ -75,6 +75,9 @@ class TierQueue:
         entry = entry or HostBlock(self.block_bytes)
         self.ops.block_saves.append(BlockSave(key, blocks, entry, persist_as))
 
+    def save_swa(self, snapshot: SWASnapshot, swa_block: int, position: int) -> None:
+        self.ops.swa_saves.append(SWASave(snapshot, swa_block, position))
+
     def demote(self, key: bytes, blocks: list[int]) -> None:
         """A cached device block is about to be reused: copy it to host memory first."""
         if self.host is None or key in self.host or key in self._loading:
