@@ -134,7 +134,7 @@ class Scheduler:
                 i += 1  # preempted mid-flight: its last tokens are not on the host yet
                 continue
             if self.prefix is not None and req.num_computed == 0:
-                fetch = self.prefix.admit(req, req.stats.num_preemptions == 0)
+                fetch = self.prefix.admit(req, first=req.stats.num_preemptions == 0)
                 if fetch:
                     self.waiting.pop(i)
                     req.status = RequestStatus.LOADING
