@@ -166,8 +166,6 @@ async def test_damaged_store_files_are_misses_not_errors(dense, tmp_path) -> Non
 async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
     from prometheus_client import generate_latest
 
-    from daemon.loop.metrics import EngineMetrics
-
     expected, _ = await run(dense, 512, prefix_caching=False)
     with tmpfs(tmp_path / "small", "size=64k") as root:
         fill(root)
@@ -176,7 +174,7 @@ async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
             with capture_logs() as logs:
                 turns = await conversation(engine, 512)
             stats = engine.stats()
-            scraped = generate_latest(EngineMetrics(engine).registry).decode()
+            scraped = generate_latest(engine.observer.registry).decode()
         finally:
             await engine.stop()
     assert answers(turns) == answers(expected)
@@ -199,14 +197,14 @@ async def test_prefix_evicted_while_waiting_is_read_from_the_store(dense, tmp_pa
         prefix = engine.scheduler.prefix
         await prefix.store.flush()
         req = Request("late", prompt + [7, 8], ANSWER)
-        assert prefix.store_keys(req) == [] and req.store_checked == 3  # all on the device
+        assert prefix.store_keys(req) == [] and req.prefix.store_checked == 3  # all on the device
         assert engine.kv.grow("flood", engine.kv.capacity_tokens())  # evicts every cached block
         engine.kv.free("flood")
         fetch = prefix.admit(req)
         assert fetch is not None and len(fetch) == 3
         prefix.receive(req, fetch, await prefix.store.load_chain(fetch))
         assert prefix.admit(req) is None
-        assert req.cache_hits == {"store": 3} and req.num_computed == 48
+        assert req.cache.hits == {"store": 3} and req.num_computed == 48
         engine.kv.free("late")
     finally:
         await engine.stop()

@@ -259,7 +259,7 @@ class TestBoundedReplayDivergence:
 
     @staticmethod
     def compare(model, prefix: int, replay: int = 128) -> dict[str, dict[str, float]]:
-        from daemon.kv.prefix import RestoreOp
+        from daemon.kv.tier_ops import RestoreOp
         from daemon.models.base import SeqSlice
         from tests.test_models_v4 import Harness
 
@@ -315,7 +315,7 @@ class TestBoundedReplayDivergence:
         """A replay (its window floor at its start), another request's second prefill chunk
         (part of its window before it) and their continuations in shared steps, padded
         together, give the logits each gets in steps of its own."""
-        from daemon.kv.prefix import RestoreOp
+        from daemon.kv.tier_ops import RestoreOp
         from daemon.models.base import SeqSlice
         from tests.test_models_v4 import Harness
 

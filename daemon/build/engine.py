@@ -17,12 +17,14 @@ from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.startup import failing_as
 from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
-from daemon.kv.manager import KVBudgetTooSmall, KVManager
+from daemon.kv.manager import KVBudgetTooSmall, KVManager, pool_sizes
 from daemon.kv.prefix import PrefixCache
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.swa_cache import SWACache
+from daemon.kv.tier_ops import TierQueue
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.engine import Engine
+from daemon.loop.metrics import EngineMetrics
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
@@ -34,8 +36,9 @@ log = structlog.get_logger(__name__)
 KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old store files miss
 
 
-def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
-    """The engine and the name it serves the model under. A model, device or KV budget that
+def build_engine(cfg: EngineConfig, metrics: bool = True) -> tuple[Engine, str]:
+    """The engine and the name it serves the model under; `metrics`: with its request
+    observer (EngineMetrics, what /metrics serves). A model, device or KV budget that
     cannot serve raises StartupError."""
     with failing_as("model", ModelLoadError, OSError):
         path = Path(cfg.model) if cfg.model else ensure_demo_model()
@@ -53,21 +56,16 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     if cfg.max_model_len and cfg.max_model_len > max_model_len:
         log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
+    kv_memory = int(cfg.kv_cache_memory_gb * 2**30)
     with failing_as("KV cache", KVBudgetTooSmall):
-        kv = KVManager(groups, int(cfg.kv_cache_memory_gb * 2**30), cfg.max_num_seqs)
-    if kv.paged and kv.capacity_tokens() < max_model_len:
-        log.warning(  # such requests are refused with this reason; shorter ones run
-            "kv_pool_below_max_model_len",
-            kv_capacity_tokens=kv.capacity_tokens(),
-            max_model_len=max_model_len,
-        )
+        num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
     overlap = resolve_overlap(cfg, device, cpu_threads)
     moe = moe_controller(cfg, model, device)
     runner = ModelRunner(
         model,
         groups,
-        kv.num_blocks,
+        num_blocks,
         device,
         cfg.max_num_seqs,
         cfg.seed,
@@ -75,15 +73,39 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
         cuda_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
         after_forward=forward_listener(moe),
     )
-    prefix = _prefix_cache(cfg, kv, runner, hf_config, dtype) if cfg.prefix_caching else None
+    # the tier moves' queue takes the demotions of the blocks the KV manager reuses
+    queue = _tier_queue(cfg, runner) if cfg.prefix_caching else None
+    kv = KVManager(groups, kv_memory, cfg.max_num_seqs, queue.demote if queue else None)
+    if kv.paged and kv.capacity_tokens() < max_model_len:
+        log.warning(  # such requests are refused with this reason; shorter ones run
+            "kv_pool_below_max_model_len",
+            kv_capacity_tokens=kv.capacity_tokens(),
+            max_model_len=max_model_len,
+        )
+    prefix = _prefix_cache(cfg, kv, queue, runner, hf_config, dtype) if queue else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     executor = lockstep_executor(moe, model, runner)
-    engine = Engine(runner, kv, scheduler, tokenizer, eos, max_model_len, overlap, executor)
-    engine.moe = moe
-    if prefix is not None and prefix.store is not None:
-        engine.sweeper = _sweeper(cfg, prefix.store, prefix.classes)
-        engine.sweep_interval_s = cfg.kv_store_gc_interval_s
+    store = prefix.store if prefix is not None else None
+    observer = EngineMetrics() if metrics else None
+    engine = Engine(
+        runner,
+        kv,
+        scheduler,
+        tokenizer,
+        eos,
+        max_model_len,
+        overlap,
+        executor,
+        prefix=prefix,
+        store=store,
+        sweeper=_sweeper(cfg, store, prefix.classes) if prefix and store else None,
+        sweep_interval_s=cfg.kv_store_gc_interval_s,
+        moe=moe,
+        observer=observer,
+    )
+    if observer is not None:
+        observer.collect_engine(engine)
     if cfg.served_model_name:
         name = cfg.served_model_name
     elif is_demo(hf_config):
@@ -105,39 +127,39 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, str]:
     return engine, name
 
 
-def _prefix_cache(
-    cfg: EngineConfig, kv: KVManager, runner: ModelRunner, hf_config: dict, dtype
-) -> PrefixCache | None:
-    if not kv.paged:
+def _tier_queue(cfg: EngineConfig, runner: ModelRunner) -> TierQueue | None:
+    """None where the model has no paged KV (no blocks to share, so no prefix cache)."""
+    if runner.copier is None:
         return None
+    host = HostTier(int(cfg.host_cache_memory_gb * 2**30)) if cfg.host_cache_memory_gb else None
+    return TierQueue(host, runner.copier.block_bytes)
+
+
+def _prefix_cache(
+    cfg: EngineConfig, kv: KVManager, queue: TierQueue, runner: ModelRunner, hf_config: dict, dtype
+) -> PrefixCache:
     fingerprint = json.dumps(hf_config, sort_keys=True) + str(dtype) + str(kv.prefix_block)
     salt = hashlib.blake2b((KV_LAYOUT + fingerprint).encode(), digest_size=16).digest()
-    block_bytes = runner.copier.block_bytes
-    tiers = dict(
-        block_bytes=block_bytes,
-        host=HostTier(int(cfg.host_cache_memory_gb * 2**30)) if cfg.host_cache_memory_gb else None,
-        classes=TrafficClasses.from_specs(cfg.traffic_classes),
-    )
+    tiers = dict(classes=TrafficClasses.from_specs(cfg.traffic_classes))
     if cfg.kv_store_dir:
         tiers["store"] = BlockStore(
             Path(cfg.kv_store_dir).expanduser(),
             salt,
-            block_bytes,
+            queue.block_bytes,
             fsync=cfg.kv_store_fsync,
             io_threads=cfg.kv_store_io_threads,
             read_timeout_s=cfg.kv_store_read_timeout_s,
         )
-    names = [getattr(g.spec, "name", "") for g in kv.groups]
-    if "swa" not in names:
-        return PrefixCache(kv, salt, **tiers)
+    if kv.swa_group is None:
+        return PrefixCache(kv, queue, salt, **tiers)
     cache = runner.cache
     swa = SWACache(int(cfg.swa_cache_memory_gb * 2**30), cfg.swa_cache_ttl_s)
     return PrefixCache(
         kv,
+        queue,
         salt,
         **tiers,
         swa=swa,
-        swa_group=names.index("swa"),
         swa_bytes=cache.swa_snapshot_bytes,
         replay_tokens=(
             cache.cfg.sliding_window if cfg.swa_miss_policy == "window" else cache.replay_tokens

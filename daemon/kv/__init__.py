@@ -1,1 +1,2 @@
-"""KV memory: per-layer KV specs, the paged block pool and per-request block tables."""
+"""KV memory: spec kinds and their managers, block pools and tables, and the prefix cache
+with its tiers (host memory, block store, sliding-window snapshots)."""

@@ -2,7 +2,7 @@
 
 A freed block keeps its content: while it sits in the free list it can be taken
 back (a prefix-cache hit). Allocation takes the least recently freed block first
-and tells `on_reuse` so the prefix index forgets it.
+and tells `on_reuse` (given at construction) so the prefix index forgets it.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_reuse: Callable[[int], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise the memory budget")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.on_reuse: Callable[[int], None] | None = None
+        self._on_reuse = on_reuse
 
     @property
     def num_free(self) -> int:
@@ -34,8 +34,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
-            if self.on_reuse is not None:
-                self.on_reuse(block)
+            if self._on_reuse is not None:
+                self._on_reuse(block)
             self.ref_counts[block] = 1
             blocks.append(block)
         return blocks

@@ -6,7 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.kv.block_pool import BlockPool
+from daemon.kv.kinds import KindManager, SlidingWindowManager, manager_for
 from daemon.kv.spec import KVGroup
+
+# told (key, blocks) when a cached device block is about to be overwritten (to demote it)
+EvictionListener = Callable[[bytes, list[int]], None]
 
 
 class KVBudgetTooSmall(ValueError):
@@ -19,42 +23,57 @@ class KVUsage:
     num_free: int
 
 
+def pool_sizes(groups: list[KVGroup], memory_bytes: int, max_num_seqs: int = 1) -> list[int]:
+    """Blocks of each group's pool within `memory_bytes`. Per-request state gets one block per
+    possible running request; what is left goes to paged groups, each with blocks for the same
+    number of token positions, so the rest is split in proportion to their bytes per token."""
+    if not groups:
+        raise ValueError("a model needs at least one KV group")
+    kinds = [manager_for(g.spec) for g in groups]
+    budget = memory_bytes
+    fixed = [g for g, k in zip(groups, kinds) if not k.paged]
+    paged = [g for g, k in zip(groups, kinds) if k.paged]
+    memory_bytes -= sum(g.spec.bytes_per_block * max_num_seqs for g in fixed)
+    bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in paged)
+    capacity_tokens = int(max(memory_bytes, 0) // bytes_per_token) if paged else 0
+    block_tokens = max((g.spec.block_size for g in paged), default=0)
+    if capacity_tokens < block_tokens:
+        raise KVBudgetTooSmall(
+            f"{budget / 2**20:.1f} MiB of KV memory hold no block: the state of "
+            f"{max_num_seqs} running requests takes {(budget - memory_bytes) / 2**20:.1f} MiB, "
+            f"then a block of every paged group {block_tokens * bytes_per_token / 2**20:.2f} "
+            "MiB; raise kv_cache_memory_gb or lower max_num_seqs"
+        )
+    return [k.pool_blocks(capacity_tokens, max_num_seqs) for k in kinds]
+
+
 class KVManager:
-    def __init__(self, groups: list[KVGroup], memory_bytes: int, max_num_seqs: int = 1) -> None:
-        if not groups:
-            raise ValueError("a model needs at least one KV group")
+    def __init__(
+        self,
+        groups: list[KVGroup],
+        memory_bytes: int,
+        max_num_seqs: int = 1,
+        on_evict: EvictionListener | None = None,
+    ) -> None:
+        """`on_evict`: the prefix cache's demotion, told before a cached block is reused."""
+        sizes = pool_sizes(groups, memory_bytes, max_num_seqs)
         self.groups = groups
-        # Per-request state gets one block per possible running request; what is
-        # left goes to paged groups, each with blocks for the same number of token
-        # positions, so the rest is split in proportion to their bytes per token.
-        budget = memory_bytes
-        fixed = [g for g in groups if g.spec.per_request]
-        paged = [g for g in groups if not g.spec.per_request]
-        memory_bytes -= sum(g.spec.bytes_per_block * max_num_seqs for g in fixed)
-        bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in paged)
-        capacity_tokens = int(max(memory_bytes, 0) // bytes_per_token) if paged else 0
-        block_tokens = max((g.spec.block_size for g in paged), default=0)
-        if capacity_tokens < block_tokens:
-            raise KVBudgetTooSmall(
-                f"{budget / 2**20:.1f} MiB of KV memory hold no block: the state of "
-                f"{max_num_seqs} running requests takes {(budget - memory_bytes) / 2**20:.1f} MiB, "
-                f"then a block of every paged group {block_tokens * bytes_per_token / 2**20:.2f} "
-                "MiB; raise kv_cache_memory_gb or lower max_num_seqs"
-            )
-        self.pools = [
-            BlockPool(max_num_seqs if g.spec.per_request else capacity_tokens // g.spec.block_size)
-            for g in groups
-        ]
+        self.kinds: list[KindManager] = [manager_for(g.spec) for g in groups]
         self.tables: dict[str, list[list[int]]] = {}
         # prefix cache: key of a full block -> its block in every paged group
-        self.paged = [i for i, g in enumerate(groups) if not g.spec.per_request]
+        self.paged = [i for i, k in enumerate(self.kinds) if k.paged]
         self.prefix_block = groups[self.paged[0]].spec.block_size if self.paged else 0
+        # the sliding-window group the prefix cache snapshots, if the model has one
+        self.swa_group = next(
+            (i for i, k in enumerate(self.kinds) if isinstance(k, SlidingWindowManager)), None
+        )
         self.cached: dict[bytes, list[int]] = {}
         self._key_of: list[dict[int, bytes]] = [{} for _ in groups]
-        # told (key, blocks) when a cached block is about to be overwritten, so it can be demoted
-        self.on_evict: Callable[[bytes, list[int]], None] | None = None
-        for i in self.paged:
-            self.pools[i].on_reuse = lambda block, i=i: self._forget(i, block)
+        self._on_evict = on_evict
+        self.pools = [
+            BlockPool(n, (lambda block, i=i: self._forget(i, block)) if k.paged else None)
+            for i, (n, k) in enumerate(zip(sizes, self.kinds))
+        ]
 
     @property
     def num_blocks(self) -> list[int]:
@@ -64,20 +83,17 @@ class KVManager:
         return [KVUsage(p.num_blocks, p.num_free) for p in self.pools]
 
     def capacity_tokens(self) -> int:
-        paged = [(p, g) for p, g in zip(self.pools, self.groups) if not g.spec.per_request]
-        return min(p.num_blocks * g.spec.block_size for p, g in paged)
+        return min(self.pools[i].num_blocks * self.groups[i].spec.block_size for i in self.paged)
 
     def bytes_per_token(self) -> float:
         """Long-term KV bytes one token of context costs (paged groups only)."""
         return sum(
-            g.spec.bytes_per_block / g.spec.block_size
-            for g in self.groups
-            if not g.spec.per_request
+            self.groups[i].spec.bytes_per_block / self.groups[i].spec.block_size for i in self.paged
         )
 
     def bytes_per_request(self) -> int:
         """Fixed state bytes each running request holds whatever its length."""
-        return sum(g.spec.bytes_per_block for g in self.groups if g.spec.per_request)
+        return sum(g.spec.bytes_per_block for g, k in zip(self.groups, self.kinds) if not k.paged)
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         return self.tables[request_id]
@@ -85,8 +101,8 @@ class KVManager:
     def _missing(self, request_id: str, num_tokens: int) -> list[int]:
         held = self.tables.get(request_id)
         return [
-            g.spec.blocks_for(num_tokens) - (len(held[i]) if held else 0)
-            for i, g in enumerate(self.groups)
+            k.blocks_for(num_tokens) - (len(held[i]) if held else 0)
+            for i, k in enumerate(self.kinds)
         ]
 
     def grow(self, request_id: str, num_tokens: int) -> bool:
@@ -143,8 +159,15 @@ class KVManager:
         blocks = self.cached.pop(key)
         for i, other in zip(self.paged, blocks):
             self._key_of[i].pop(other, None)
-        if self.on_evict is not None:
-            self.on_evict(key, blocks)
+        if self._on_evict is not None:
+            self._on_evict(key, blocks)
+
+    def swa_block(self, request_id: str) -> int:
+        """The request's sliding-window ring block (the model has a sliding-window group)."""
+        assert self.swa_group is not None
+        kind = self.kinds[self.swa_group]
+        assert isinstance(kind, SlidingWindowManager)
+        return kind.snapshot_block(self.tables[request_id][self.swa_group])
 
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)

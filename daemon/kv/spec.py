@@ -1,12 +1,13 @@
-"""Per-layer KV specs: what one block of a layer group holds and how many a request needs.
+"""Per-layer KV specs, one class per kind: what one block of a layer group holds, and whether a
+request holds one block per `block_size` tokens (paged) or one block whatever its length.
 
-A model declares its layers as groups that share a spec; the manager gives each
-group its own pool and block tables, so a hybrid model adds a spec, not a manager.
+A model declares its layers as groups that share a spec; the manager gives each group its
+own pool, block tables and kind manager (kv/kinds.py), so a hybrid model adds a spec class,
+not a manager.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -26,19 +27,39 @@ class KVSpec(ABC):
     def bytes_per_block(self) -> int: ...
 
     @property
+    @abstractmethod
+    def name(self) -> str:
+        """The kind's label (the model's cache and /metrics' `kind` find a group by it)."""
+
+    @property
     def per_request(self) -> bool:
         """True for fixed-size per-request state (one block each, whatever the length)."""
-        return False
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks a request holds once its sequence is `num_tokens` long."""
-        if self.per_request:
-            return 1 if num_tokens > 0 else 0
-        return math.ceil(num_tokens / self.block_size)
+        return isinstance(self, PerRequestSpec)
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec(KVSpec):
+class PagedSpec(KVSpec, ABC):
+    """One block per `block_size` positions; full blocks can be shared through the prefix cache."""
+
+
+@dataclass(frozen=True)
+class PerRequestSpec(KVSpec, ABC):
+    """One block per running request, whatever its length, sized in bytes by the model."""
+
+    label: str
+    block_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_bytes
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(PagedSpec):
     """Paged K and V for every position: the dense-model case."""
 
     num_kv_heads: int
@@ -49,27 +70,37 @@ class FullAttentionSpec(KVSpec):
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize * self.num_layers
 
+    @property
+    def name(self) -> str:
+        return "full"
+
 
 @dataclass(frozen=True)
-class StateSpec(KVSpec):
-    """Fixed-size state a model keeps per request or per block, given in bytes.
+class CompressedKVSpec(PagedSpec):
+    """Paged compressed entries (DeepSeek-V4's CSA and HCA): `block_bytes` per block of
+    `block_size` positions, whatever the compression inside."""
 
-    `per_request=True`: one block per running request (a sliding-window ring,
-    compressor buffers). Otherwise paged: one block per `block_size` tokens
-    (compressed entries).
-    """
-
-    name: str
+    label: str
     block_bytes: int
-    is_per_request: bool
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_bytes
 
     @property
-    def per_request(self) -> bool:
-        return self.is_per_request
+    def name(self) -> str:
+        return self.label
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(PerRequestSpec):
+    """A ring of the last window's raw KV per request; the prefix cache snapshots it at block
+    boundaries (kv/swa_cache.py), since a shared prefix's blocks do not hold it."""
+
+
+@dataclass(frozen=True)
+class CompressorStateSpec(PerRequestSpec):
+    """Per-request compressor buffers (open windows, overlap state)."""
 
 
 @dataclass(frozen=True)

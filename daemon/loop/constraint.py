@@ -3,8 +3,21 @@ its row each step and is advanced with each sampled token."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import xgrammar as xgr
+
+
+class Constraint(Protocol):
+    """A request's constrained decoding, stateful: masks its logits row before each sample
+    and sees each sampled token (SamplingParams.constraint)."""
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed next tokens into bitmask[row]; False when unconstrained now."""
+        ...
+
+    def accept(self, token: int) -> None: ...
 
 
 class GrammarConstraint:

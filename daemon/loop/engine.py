@@ -15,14 +15,18 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
+from daemon.kv.block_store import BlockStore
 from daemon.kv.manager import KVManager
-from daemon.kv.prefix import CacheOps
+from daemon.kv.prefix import PrefixCache
+from daemon.kv.request_state import PrefixState
 from daemon.kv.store_gc import StoreSweeper
+from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
 from daemon.loop.request import (
@@ -33,7 +37,7 @@ from daemon.loop.request import (
     SamplingParams,
 )
 from daemon.loop.runner import ModelRunner, StepResult
-from daemon.loop.scheduler import Scheduler, SchedulerStep
+from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -83,7 +87,18 @@ class Engine:
         max_model_len: int,
         overlap: bool = True,
         executor: Executor | None = None,
+        *,
+        prefix: PrefixCache | None = None,
+        store: BlockStore | None = None,
+        sweeper: StoreSweeper | None = None,
+        sweep_interval_s: float = 300.0,
+        moe: MoEControl | None = None,
+        observer: RequestObserver | None = None,
     ) -> None:
+        """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
+        reads before admissions and flushes and closes on stop; `sweeper` expires the store's
+        files every `sweep_interval_s`; `moe`: the MoE controller, for administration;
+        `observer`: told of each request's tokens and end (the metrics)."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -99,19 +114,20 @@ class Engine:
         # idles (a lockstep worker keeps stepping when idle: it keeps its team)
         self._one_team = runner.cpu_threads > 0
         self._idle_team_release = self._one_team and executor is None
-        self.moe: Any = None  # the MoE controller, for administration
+        self.moe = moe
+        self.prefix = prefix
+        self.store = store
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loads: set[asyncio.Task[None]] = set()  # block-store reads before admission
-        self.sweeper: StoreSweeper | None = None
-        self.sweep_interval_s = 300.0
+        self.sweeper = sweeper
+        self.sweep_interval_s = sweep_interval_s
         self._sweep_task: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        scheduler.load_blocks = self._start_load
         self.steps = 0
         self.error: BaseException | None = None
         self.failed = asyncio.Event()  # set with `error`: the loop is gone, the process must go
-        self.observer: RequestObserver | None = None  # metrics
+        self.observer = observer
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -135,7 +151,7 @@ class Engine:
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
         await asyncio.to_thread(self._executor.shutdown, True)  # EP: until every rank stops
-        store = self.scheduler.prefix.store if self.scheduler.prefix else None
+        store = self.store
         if store is not None:
             await store.flush()  # finished work is kept
             await asyncio.to_thread(store.close)  # waits on stuck I/O threads: off the loop
@@ -176,8 +192,7 @@ class Engine:
             params=params,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
-            traffic_class=traffic_class,
-            cache_salt=cache_salt,
+            prefix=PrefixState(cache_salt=cache_salt, traffic_class=traffic_class),
         )
         if req.request_id in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
@@ -186,26 +201,27 @@ class Engine:
         req.outputs = asyncio.Queue()
         self.requests[req.request_id] = req
         self.outputs.add(req)
-        prefix = self.scheduler.prefix
+        prefix = self.prefix
         store_keys = prefix.store_keys(req) if prefix is not None else []
         if store_keys:
-            self._start_load(req, store_keys)
+            self._start_load(StoreRead(req, store_keys))
         else:
             self.scheduler.add(req)
             self._wakeup.set()
         return req
 
-    def _start_load(self, req: Request, keys: list[bytes]) -> None:
-        req.status = RequestStatus.LOADING
-        task = asyncio.create_task(self._load_from_store(req, keys))
+    def _start_load(self, read: StoreRead) -> None:
+        read.request.status = RequestStatus.LOADING
+        task = asyncio.create_task(self._load_from_store(read.request, read.keys))
         self._loads.add(task)
         task.add_done_callback(self._loads.discard)
 
     async def _load_from_store(self, req: Request, keys: list[bytes]) -> None:
         """Read the request's blocks from the store while it (alone) waits; a failure is a miss."""
-        prefix = self.scheduler.prefix
+        prefix, store = self.prefix, self.store
+        assert prefix is not None and store is not None
         try:
-            payloads = await prefix.store.load_chain(keys)
+            payloads = await store.load_chain(keys)
         except Exception:
             log.exception("kv_store_load_failed", request_id=req.request_id)
             payloads = []
@@ -276,12 +292,12 @@ class Engine:
 
     @property
     def traffic_classes(self) -> TrafficClasses | None:
-        prefix = self.scheduler.prefix
+        prefix = self.prefix
         return prefix.classes if prefix is not None else None
 
     def stats(self) -> dict[str, object]:
         usage = self.kv.usage()
-        prefix = self.scheduler.prefix
+        prefix = self.prefix
         return (
             {
                 "running": len(self.scheduler.running),
@@ -305,7 +321,7 @@ class Engine:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        prefix = self.scheduler.prefix
+        prefix = self.prefix
         # accelerators: the loop's work for step N waits until step N+1 is queued on the
         # device; else the two threads' Python would take turns on the GIL instead of the
         # loop's turn overlapping the device's
@@ -318,6 +334,11 @@ class Engine:
                 step = None
                 if self.overlap or not inflight:
                     step = self.scheduler.schedule()
+                    if step is not None and step.store_reads:
+                        for read in step.store_reads:
+                            self._start_load(read)
+                        if not step.seqs:
+                            step = None
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
                 if step is not None:
                     prepared = self.runner.prepare(step, self.kv, ops)

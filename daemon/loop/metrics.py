@@ -19,9 +19,10 @@ _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0
 
 
 class EngineMetrics:
-    """The engine's request observer, and the registry /metrics serves."""
+    """The engine's request observer (an Engine constructor argument), and the registry
+    /metrics serves; `collect_engine` adds the engine's own statistics to it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -72,27 +73,30 @@ class EngineMetrics:
             ["status", "type"],
             registry=r,
         )
-        r.register(_EngineCollector(engine))
-        engine.observer = self
+
+    def collect_engine(self, engine: Engine) -> None:
+        """Serve `engine`'s gauges and counters too, read from it at each scrape."""
+        self.registry.register(_EngineCollector(engine))
 
     # ---- engine observer (event loop) ----------------------------------------------------
 
     def on_token(self, req: Request) -> None:
         now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
+        stats = req.stats
+        if stats.first_token_time is None:
+            stats.first_token_time = now
             self.ttft.observe(now - req.arrival)
-        elif req.last_token_time is not None:
-            self.itl.observe(now - req.last_token_time)
-        req.last_token_time = now
+        elif stats.last_token_time is not None:
+            self.itl.observe(now - stats.last_token_time)
+        stats.last_token_time = now
 
     def on_finished(self, req: Request) -> None:
         self.e2e.observe(time.monotonic() - req.arrival)
-        if req.scheduled_time is not None:
-            self.queue.observe(req.scheduled_time - req.arrival)
+        if req.stats.scheduled_time is not None:
+            self.queue.observe(req.stats.scheduled_time - req.arrival)
         self.prompt_tokens.inc(req.num_prompt_tokens)
         self.generation_tokens.inc(len(req.output_ids))
-        for tier, n in req.cached_tokens_by_tier.items():
+        for tier, n in req.cache.tokens_by_tier.items():
             self.cached_tokens.labels(tier).inc(n)
         reason = req.finish_reason or FinishReason.ABORT
         self.finished.labels(reason.value).inc()
@@ -122,7 +126,7 @@ class _EngineCollector:
         )
         for group, u in zip(self.engine.kv.groups, self.engine.kv.usage()):
             used = 1 - u.num_free / u.num_blocks if u.num_blocks else 0.0
-            usage.add_metric([getattr(group.spec, "name", "full")], used)
+            usage.add_metric([group.spec.name], used)
         yield usage
         preempted = self.engine.scheduler.num_preemptions
         yield CounterMetricFamily(

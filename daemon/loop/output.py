@@ -62,8 +62,8 @@ class OutputProcessor:
             stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=len(req.output_ids),
-            num_cached_tokens=req.num_cached_tokens,
-            cached_tokens_by_tier=req.cached_tokens_by_tier or None,
+            num_cached_tokens=req.cache.num_cached_tokens,
+            cached_tokens_by_tier=req.cache.tokens_by_tier or None,
             prompt_logprobs=req.prompt_logprobs
             if req.params.prompt_logprobs is not None and len(req.output_ids) == len(new_ids)
             else None,

@@ -6,7 +6,13 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from daemon.kv.request_state import CacheUse, PrefixState
+from daemon.loop.request_stats import RequestStats
+
+if TYPE_CHECKING:
+    from daemon.loop.constraint import Constraint
 
 
 @dataclass
@@ -28,8 +34,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     include_stop_str_in_output: bool = False
-    # constrained decoding: a per-request loop.constraint.GrammarConstraint (stateful)
-    constraint: Any = field(default=None, compare=False, repr=False)
+    # constrained decoding: per request and stateful (loop.constraint.GrammarConstraint)
+    constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -106,7 +112,9 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class Request:
-    """Engine-side state of one sequence.
+    """Engine-side state of one sequence: identity, tokens and status, and its parts: where it
+    stands with the prefix cache (`prefix`), what the cache gave it (`cache`), when things
+    happened to it (`stats`).
 
     Token bookkeeping with overlap: the scheduler may schedule step N+1 before
     step N's sampled token reaches the host, so it counts tokens it has asked
@@ -128,30 +136,12 @@ class Request:
     num_sampled_scheduled: int = 0  # samples scheduled, seen or not
     num_inflight_steps: int = 0
     slot: int = -1  # row in the runner's per-request device state while running
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-    aborted: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    scheduled_time: float | None = None  # first admitted to a step (monotonic)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     outputs: asyncio.Queue[RequestOutput] | None = None
-    # prefix cache
-    cache_salt: bytes = b""
-    block_keys: list[bytes] = field(default_factory=list)
-    num_registered: int = 0  # leading blocks already findable in the prefix cache
-    replay_from: int = 0  # a replay recomputes [replay_from, replay_until) with its
-    replay_until: int = 0  # sliding window limited to that range
-    pending_restore: Any = None  # a prefix.RestoreOp for the request's next first step
-    swa_marks: list[int] = field(default_factory=list)  # boundaries to snapshot the SWA ring at
-    traffic_class: str = "chat"  # block-store retention class
-    loaded: dict[bytes, Any] = field(default_factory=dict)  # store payloads until admission
-    store_checked: int = 0  # leading usable blocks last known to be in memory or the store
-    store_probes: int = 0  # store re-reads at admission (the prefix was evicted meanwhile)
-    cache_lookups: dict[str, int] = field(default_factory=dict)  # blocks, by tier
-    cache_hits: dict[str, int] = field(default_factory=dict)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # prompt tokens
+    prefix: PrefixState = field(default_factory=PrefixState)
+    cache: CacheUse = field(default_factory=CacheUse)
+    stats: RequestStats = field(default_factory=RequestStats)
 
     @property
     def num_prompt_tokens(self) -> int:

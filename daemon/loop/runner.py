@@ -16,8 +16,8 @@ import torch
 
 from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
-from daemon.kv.prefix import CacheOps, RestoreOp
 from daemon.kv.spec import KVGroup
+from daemon.kv.tier_ops import CacheOps, RestoreOp
 from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
@@ -169,7 +169,7 @@ class ModelRunner:
                 input_ids.append(-1)
             positions.extend(range(start, end))
             tables = kv.block_tables(req.request_id)
-            floor = req.replay_from if seq.replay else 0
+            floor = req.prefix.replay_from if seq.replay else 0
             slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
             if seq.restore is not None:
                 restores.append((seq.restore, [list(t) for t in tables]))

@@ -1,17 +1,20 @@
 """Continuous batching: a per-step token budget, chunked prefill mixed with decode,
-priority/FCFS admission and preemption (free and recompute) when KV blocks run out."""
+priority/FCFS admission and preemption (free and recompute) when KV blocks run out. The
+scheduler owns its KV manager and prefix cache, and asks for block-store reads in what it
+returns; it calls nothing above it."""
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from daemon.kv.manager import KVManager
-from daemon.kv.prefix import PrefixCache, RestoreOp
+from daemon.kv.prefix import PrefixCache
+from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 
 log = structlog.get_logger(__name__)
@@ -34,8 +37,20 @@ class ScheduledSeq:
 
 
 @dataclass
+class StoreRead:
+    """Prefix blocks to read from the block store before the request is admitted again."""
+
+    request: Request
+    keys: list[bytes]
+
+
+@dataclass
 class SchedulerStep:
+    """What to run this step (`seqs` empty: nothing, only reads to start) and the block-store
+    reads to start for requests taken out of the waiting queue (LOADING)."""
+
     seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
+    store_reads: Sequence[StoreRead] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        # the engine's block-store reader, for requests whose cached prefix went missing
-        self.load_blocks: Callable[[Request, list[bytes]], None] | None = None
+        self._reads: list[StoreRead] = []  # this step's, handed out with it
 
     @property
     def has_work(self) -> bool:
@@ -104,10 +118,13 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, scheduled)
 
+        reads = self._reads
+        if reads:
+            self._reads = []
         if not scheduled:
-            return None
+            return SchedulerStep([], reads) if reads else None
         scheduled.sort(key=lambda s: not s.is_decode)
-        return SchedulerStep(scheduled)
+        return SchedulerStep(scheduled, reads) if reads else SchedulerStep(scheduled)
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         i = 0
@@ -117,22 +134,23 @@ class Scheduler:
                 i += 1  # preempted mid-flight: its last tokens are not on the host yet
                 continue
             if self.prefix is not None and req.num_computed == 0:
-                fetch = self.prefix.admit(req)
-                if fetch and self.load_blocks is not None:
+                fetch = self.prefix.admit(req, first=req.stats.num_preemptions == 0)
+                if fetch:
                     self.waiting.pop(i)
                     req.status = RequestStatus.LOADING
-                    self.load_blocks(req, fetch)
+                    self._reads.append(StoreRead(req, fetch))
                     continue
             n = min(self._tokens_to_compute(req), budget)
             if not self.kv.grow(req.request_id, req.num_computed + n):
                 self.kv.free(req.request_id)  # gives back any prefix it took
-                req.num_computed = req.replay_until = req.num_registered = 0
-                req.pending_restore = None
+                req.num_computed = 0
+                req.prefix.forget_blocks()
+                req.prefix.pending_restore = None
                 break
             self.waiting.pop(i)
-            req.loaded = {}  # store payloads are on the device now (or not needed)
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
+            req.prefix.loaded = {}  # store payloads are on the device now (or not needed)
+            if req.stats.scheduled_time is None:
+                req.stats.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             req.slot = self._free_slots.pop()
             self.running.append(req)
@@ -145,8 +163,9 @@ class Scheduler:
     def _tokens_to_compute(self, req: Request) -> int:
         if req.num_sampled_scheduled >= req.params.max_tokens:
             return 0  # its last token is asked for; only the output stage is left
-        if req.num_computed < req.replay_until:
-            return req.replay_until - req.num_computed  # a replay chunk never runs past its end
+        replay_until = req.prefix.replay_until
+        if req.num_computed < replay_until:
+            return replay_until - req.num_computed  # a replay chunk never runs past its end
         n = req.seq_len - req.num_computed
         return self.prefix.chunk_limit(req, n) if self.prefix is not None else n
 
@@ -154,11 +173,12 @@ class Scheduler:
         start = req.num_computed
         req.num_computed += n
         samples = req.num_computed == req.seq_len
-        replay = start < req.replay_until
+        st = req.prefix
+        replay = start < st.replay_until
         seq = ScheduledSeq(
-            req, start, n, samples, req.num_sampled_scheduled, replay, req.pending_restore
+            req, start, n, samples, req.num_sampled_scheduled, replay, st.pending_restore
         )
-        req.pending_restore = None
+        st.pending_restore = None
         if samples:
             req.num_sampled_scheduled += 1
         req.num_inflight_steps += 1
@@ -184,8 +204,9 @@ class Scheduler:
         """Free everything the request holds; it recomputes from its known tokens later."""
         self._release(req)
         self.running.remove(req)
-        req.num_computed = req.replay_until = req.num_registered = 0
-        req.num_preemptions += 1
+        req.num_computed = 0
+        req.prefix.forget_blocks()
+        req.stats.num_preemptions += 1
         self.num_preemptions += 1
         log.debug("preempt", request_id=req.request_id, tokens=req.seq_len)
         self.add(req)

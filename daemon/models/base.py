@@ -11,7 +11,7 @@ import torch
 from daemon.kv.spec import KVGroup
 
 if TYPE_CHECKING:
-    from daemon.kv.prefix import RestoreOp
+    from daemon.kv.tier_ops import RestoreOp
 
 
 @dataclass

@@ -51,13 +51,13 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
 
 def note(request: web.Request, api_id: str, reqs: list[Request], stream: bool) -> None:
     """What the engine did for this HTTP request, for its access-log line."""
-    firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
+    firsts = [r.stats.first_token_time for r in reqs if r.stats.first_token_time is not None]
     request[_NOTES] = {
         "id": api_id,
         "stream": stream,
         "prompt_tokens": sum(r.num_prompt_tokens for r in reqs),
         "completion_tokens": sum(len(r.output_ids) for r in reqs),
-        "cached_tokens": sum(r.num_cached_tokens for r in reqs),
+        "cached_tokens": sum(r.cache.num_cached_tokens for r in reqs),
         "ttft_s": round(min(firsts) - min(r.arrival for r in reqs), 4) if firsts else None,
         "finish": [r.finish_reason.value if r.finish_reason else None for r in reqs],
     }

@@ -74,7 +74,7 @@ def create_app(
         constraints=_constraints(engine),
         max_waiting=server_cfg.max_waiting,
         api_key=server_cfg.api_key,
-        metrics=EngineMetrics(engine),
+        metrics=engine.observer if isinstance(engine.observer, EngineMetrics) else None,
     )
     app[stored_responses.RESPONSE_STORE] = ResponseStore(
         server_cfg.response_store_max_count,

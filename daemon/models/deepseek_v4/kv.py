@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from daemon.kv.spec import KVGroup, StateSpec
+from daemon.kv.spec import (
+    CompressedKVSpec,
+    CompressorStateSpec,
+    KVGroup,
+    SlidingWindowSpec,
+)
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 
 SWA, STATE = "swa", "state"
@@ -36,8 +41,8 @@ def kv_groups(cfg: V4Config, dtype: torch.dtype) -> list[KVGroup]:
     all_layers = tuple(range(cfg.num_layers))
     groups = [
         KVGroup(
-            StateSpec(
-                B, cfg.num_layers, dtype, SWA, ring_size(cfg) * hd * item * cfg.num_layers, True
+            SlidingWindowSpec(
+                B, cfg.num_layers, dtype, SWA, ring_size(cfg) * hd * item * cfg.num_layers
             ),
             all_layers,
         )
@@ -49,19 +54,19 @@ def kv_groups(cfg: V4Config, dtype: torch.dtype) -> list[KVGroup]:
     if state_floats:
         groups.append(
             KVGroup(
-                StateSpec(B, len(csa) + len(hca), torch.float32, STATE, state_floats * 4, True),
+                CompressorStateSpec(B, len(csa) + len(hca), torch.float32, STATE, state_floats * 4),
                 tuple(csa + hca),
             )
         )
     if csa:
         per_block = (B // m) * (hd + ihd) * item + 2 * m * (hd + ihd) * 4
         groups.append(
-            KVGroup(StateSpec(B, len(csa), dtype, CSA, per_block * len(csa), False), tuple(csa))
+            KVGroup(CompressedKVSpec(B, len(csa), dtype, CSA, per_block * len(csa)), tuple(csa))
         )
     if hca:
         groups.append(
             KVGroup(
-                StateSpec(B, len(hca), dtype, HCA, (B // mh) * hd * item * len(hca), False),
+                CompressedKVSpec(B, len(hca), dtype, HCA, (B // mh) * hd * item * len(hca)),
                 tuple(hca),
             )
         )
