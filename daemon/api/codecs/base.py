@@ -3,6 +3,8 @@ their outputs -> the protocol's answer, whole or as stream events (an Answer).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from daemon.loop.request import RequestOutput, SamplingParams
@@ -49,17 +51,16 @@ class Answer(Protocol):
         """Called once the answer is over, whatever ended it."""
 
 
-class Call(Protocol):
-    """A request made ready for the engine: job i becomes engine request `{id}-{i}`."""
+@dataclass
+class Call:
+    """A request made ready for the engine: job i becomes engine request `{id}-{i}`; `answer`
+    makes the answer of their outputs (once, when they are submitted)."""
 
     id: str  # the protocol object's id (cmpl-..., chatcmpl-..., resp_..., msg_...)
     jobs: list[Job]
     stream: bool
-    priority: int
-
-    def answer(self) -> Answer:
-        """A fresh answer for this call's outputs."""
-        ...
+    answer: Callable[[], Answer]
+    priority: int = 0
 
 
 In = TypeVar("In", contravariant=True)

@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from functools import partial
 
-from daemon.api.codecs.base import Answer, Job, JsonObject
-from daemon.api.codecs.completions_answer import CompletionAnswer, CompletionChoice
+from daemon.api.codecs.base import Call, JsonObject
+from daemon.api.codecs.completions_answer import CompletionAnswer
 from daemon.api.codecs.completions_request import (
     CompletionRequest,
     parse_completion_request,
     tokenize_prompts,
 )
 from daemon.models.tokenizer import TextTokenizer
-
-
-@dataclass
-class CompletionCall:
-    id: str
-    jobs: list[Job]
-    stream: bool
-    priority: int
-    answer_of: CompletionAnswer  # built whole here: it holds no resources
-
-    def answer(self) -> Answer:
-        return self.answer_of
 
 
 class CompletionsCodec:
@@ -39,27 +27,25 @@ class CompletionsCodec:
     def parse(self, body: JsonObject) -> CompletionRequest:
         return parse_completion_request(body)
 
-    async def decode(self, request: CompletionRequest) -> CompletionCall:
+    async def decode(self, request: CompletionRequest) -> Call:
         prompt_ids = await tokenize_prompts(request.prompts, self.tokenizer)
         jobs = [(ids, request.params_for(j)) for ids in prompt_ids for j in range(request.n)]
         texts = [
             _echoed(p, ids, self.tokenizer) if request.echo else ""
             for p, ids in zip(request.prompts, prompt_ids)
         ]
-        choices = [
-            CompletionChoice(i, ids, texts[i // request.n], request.echo_only)
-            for i, (ids, _) in enumerate(jobs)
-        ]
-        answer = CompletionAnswer(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.served_name,
-            req=request,
-            prompt_ids=prompt_ids,
-            tokenizer=self.tokenizer,
-            choices=choices,
+        api_id = f"cmpl-{uuid.uuid4().hex}"
+        answer = partial(
+            CompletionAnswer,
+            api_id,
+            int(time.time()),
+            self.served_name,
+            request,
+            prompt_ids,
+            texts,
+            self.tokenizer,
         )
-        return CompletionCall(answer.id, jobs, request.stream, request.priority, answer)
+        return Call(api_id, jobs, request.stream, answer, request.priority)
 
 
 def _echoed(prompt: str | list[int], ids: list[int], tokenizer: TextTokenizer | None) -> str:

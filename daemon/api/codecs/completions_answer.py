@@ -58,11 +58,21 @@ class CompletionAnswer:
     model: str
     req: CompletionRequest
     prompt_ids: list[list[int]]
+    prompt_texts: list[str]  # what an echo shows of each prompt ("" without echo)
     tokenizer: TextTokenizer | None
-    choices: list[CompletionChoice] = field(default_factory=list)
-    aborted_message: str = ABORTED
-    error_event: str | None = None
-    done_marker: str | None = "[DONE]"
+    choices: list[CompletionChoice] = field(init=False)
+    aborted_message: str = field(default=ABORTED, init=False)
+    error_event: str | None = field(default=None, init=False)
+    done_marker: str | None = field(default="[DONE]", init=False)
+
+    def __post_init__(self) -> None:
+        n = self.req.n
+        self.choices = [
+            CompletionChoice(
+                i, self.prompt_ids[i // n], self.prompt_texts[i // n], self.req.echo_only
+            )
+            for i in range(len(self.prompt_ids) * n)
+        ]
 
     def header(self) -> dict:
         return {

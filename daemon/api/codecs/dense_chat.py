@@ -7,48 +7,35 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from functools import partial
 
-from daemon.api.codecs.base import Answer, CodecError, Job, JsonObject
+from daemon.api.codecs.base import Call, CodecError, JsonObject
 from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.api.codecs.completions_request import MAX_N
 from daemon.api.codecs.constraints import Constraints, Grammar
-from daemon.api.codecs.dense_chat_answer import DenseChatAnswer, DenseChoice
+from daemon.api.codecs.dense_chat_answer import DenseChatAnswer
 from daemon.api.codecs.dense_tools import tool_request
 from daemon.api.codecs.jobs import sample_jobs
 from daemon.api.codecs.params import get_bool, get_int, get_object, sampling_params
-from daemon.api.codecs.tool_parsers import stream_parser
-from daemon.models.tokenizer import TextTokenizer
-
-
-@dataclass
-class DenseChatCall:
-    id: str
-    jobs: list[Job]
-    stream: bool
-    answer_of: DenseChatAnswer  # built whole here: it holds no resources
-    priority: int = 0
-
-    def answer(self) -> Answer:
-        return self.answer_of
 
 
 class DenseChatCodec:
+    """Chat Completions on a dense model served as `served_name`; `constraints` compile the
+    grammars of forced tool calls and `response_format`."""
+
     def __init__(
         self,
         template: ChatTemplate,
         constraints: Constraints | None,
-        tokenizer: TextTokenizer | None,
         served_name: str,
         max_model_len: int,
     ) -> None:
         self.template = template
         self.constraints = constraints
-        self.tokenizer = tokenizer
         self.served_name = served_name
         self.max_model_len = max_model_len
 
-    async def decode(self, body: JsonObject) -> DenseChatCall:
+    async def decode(self, body: JsonObject) -> Call:
         n = get_int(body, "n", 1, lo=1, hi=MAX_N) or 1
         tools = tool_request(body)
         parser = self.template.tool_parser if tools.active else None
@@ -79,19 +66,18 @@ class DenseChatCodec:
             grammar = await self.constraints.for_response_format(body.get("response_format"))
         stream = get_bool(body, "stream")
         include_usage = get_bool(get_object(body, "stream_options"), "include_usage")
-        answer = DenseChatAnswer(
-            f"chatcmpl-{uuid.uuid4().hex}",
+        api_id = f"chatcmpl-{uuid.uuid4().hex}"
+        answer = partial(
+            DenseChatAnswer,
+            api_id,
             int(time.time()),
             self.served_name,
             len(prompt_ids),
-            self.tokenizer,
+            self.template.tokenizer,
             want_logprobs,
             include_usage,
-            [
-                DenseChoice(i, parser=stream_parser(parser) if parser and stream else None)
-                for i in range(n)
-            ],
+            n,
+            stream,
             parser,
         )
-        jobs = sample_jobs(prompt_ids, params, n, grammar)
-        return DenseChatCall(answer.id, jobs, stream, answer)
+        return Call(api_id, sample_jobs(prompt_ids, params, n, grammar), stream, answer)

@@ -9,7 +9,7 @@ import orjson
 
 from daemon.api.codecs.base import Event
 from daemon.api.codecs.logprobs import token_text
-from daemon.api.codecs.tool_parsers import StreamParser, ToolCall, parse
+from daemon.api.codecs.tool_parsers import StreamParser, ToolCall, parse, stream_parser
 from daemon.api.codecs.usage import prompt_tokens_details
 from daemon.loop.request import RequestOutput, TokenLogprob
 from daemon.models.tokenizer import TextTokenizer
@@ -48,11 +48,19 @@ class DenseChatAnswer:
     tokenizer: TextTokenizer | None
     want_logprobs: bool
     include_usage: bool
-    choices: list[DenseChoice] = field(default_factory=list)
+    n: int
+    stream: bool
     tool_parser: str | None = None  # tools are on: their calls are read in this format
-    aborted_message: str = ABORTED
-    error_event: str | None = None
-    done_marker: str | None = "[DONE]"
+    choices: list[DenseChoice] = field(init=False)
+    aborted_message: str = field(default=ABORTED, init=False)
+    error_event: str | None = field(default=None, init=False)
+    done_marker: str | None = field(default="[DONE]", init=False)
+
+    def __post_init__(self) -> None:
+        parser = self.tool_parser if self.stream else None  # streaming with tools
+        self.choices = [
+            DenseChoice(i, parser=stream_parser(parser) if parser else None) for i in range(self.n)
+        ]
 
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}

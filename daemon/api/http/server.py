@@ -112,7 +112,7 @@ def _codecs(
     template = ChatTemplate.load(model_dir, tok, server_cfg.tool_call_parser) if model_dir else None
     if template is None:
         return Codecs(completions, constraints=constraints)
-    chat = DenseChatCodec(template, constraints, tok, served_name, engine.max_model_len)
+    chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len)
     return Codecs(completions, {CHAT.name: chat}, chat_template=template, constraints=constraints)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from functools import partial
 
-from daemon.api.codecs.base import Answer, Job, JsonObject
+from daemon.api.codecs.base import Call, JsonObject
 from daemon.api.codecs.completions_request import MAX_N
 from daemon.api.codecs.constraints import Constraints, Grammar, OutputOptions
 from daemon.api.codecs.jobs import sample_jobs
@@ -20,33 +21,9 @@ from daemon.api.codecs.recipe.turn import Turn
 from daemon.api.codecs.response_store import ResponseStore
 
 
-@dataclass
-class RecipeCall:
-    id: str
-    jobs: list[Job]
-    codec: ConversationCodec
-    prepared: Prepared
-    turn: Turn | None  # Responses: the stored conversation
-    include_usage: bool  # Chat Completions' stream_options.include_usage
-    priority: int = 0
-
-    @property
-    def stream(self) -> bool:
-        return self.prepared.stream
-
-    def answer(self) -> Answer:
-        """Its parsers are the recipe's (closed with the answer): one per choice."""
-        codec, prepared = self.codec, self.prepared
-        eos, prompt_len = codec.eos_token_ids, len(prepared.prompt_ids)
-        outs = [OutputStream(codec.recipe.processor(prepared), eos, prompt_len) for _ in self.jobs]
-        return RecipeAnswer(
-            codec.protocol, self.id, codec.recipe.served_name, outs, self.turn, self.include_usage
-        )
-
-
 class ConversationCodec:
     """One of the recipe's protocols (CHAT, RESPONSES, MESSAGES); Responses keeps what it
-    answers in `store`."""
+    answers in `store` (with `store: true`), and continues what it kept there."""
 
     def __init__(
         self,
@@ -54,16 +31,15 @@ class ConversationCodec:
         protocol: Protocol,
         constraints: Constraints | None,
         eos_token_ids: tuple[int, ...],
-        store: ResponseStore | None = None,
+        store: ResponseStore,
     ) -> None:
-        assert protocol is not RESPONSES or store is not None
         self.recipe = recipe
         self.protocol = protocol
         self.constraints = constraints
         self.eos_token_ids = eos_token_ids
         self.store = store
 
-    async def decode(self, body: JsonObject) -> RecipeCall:
+    async def decode(self, body: JsonObject) -> Call:
         protocol = self.protocol
         n = 1
         if protocol is CHAT:  # the recipe takes n=1 only; the choices are ours
@@ -71,7 +47,6 @@ class ConversationCodec:
             body = {k: v for k, v in body.items() if k != "n"}
         turn = None
         if protocol is RESPONSES:  # `store`, and `previous_response_id`'s conversation as input
-            assert self.store is not None
             body, turn = Turn.begin(self.store, body)
         rid = protocol.id_prefix + uuid.uuid4().hex
         options, recipe_body = OutputOptions.read(protocol.name, body)
@@ -84,7 +59,21 @@ class ConversationCodec:
             get_object(body, "stream_options"), "include_usage"
         )
         jobs = sample_jobs(prepared.prompt_ids, prepared.params, n, grammar)
-        return RecipeCall(rid, jobs, self, prepared, turn, include_usage)
+        answer = partial(self._answer, prepared, n, turn, include_usage)
+        return Call(rid, jobs, prepared.stream, answer)
+
+    def _answer(
+        self, prepared: Prepared, n: int, turn: Turn | None, include_usage: bool
+    ) -> RecipeAnswer:
+        """Its parsers are the recipe's (closed with the answer): one per choice."""
+        prompt_len = len(prepared.prompt_ids)
+        outs = [
+            OutputStream(self.recipe.processor(prepared), self.eos_token_ids, prompt_len)
+            for _ in range(n)
+        ]
+        return RecipeAnswer(
+            self.protocol, prepared.request_id, self.recipe.served_name, outs, turn, include_usage
+        )
 
     async def _grammar(self, prepared: Prepared, options: OutputOptions) -> Grammar | None:
         """The recipe's OutputConstraint as a grammar, enforced after the thinking block if any."""
