@@ -109,7 +109,11 @@ def _codecs(
             for p in (CHAT, RESPONSES, MESSAGES)
         }
         return Codecs(completions, conversations, recipe=recipe, constraints=constraints)
-    template = ChatTemplate.load(model_dir, tok, server_cfg.tool_call_parser) if model_dir else None
+    template = (
+        ChatTemplate.load(model_dir, tok, server_cfg.tool_call_parser)
+        if model_dir is not None
+        else None
+    )
     if template is None:
         return Codecs(completions, constraints=constraints)
     chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len)
