@@ -161,7 +161,7 @@ def build_ours(
         overlap=overlap,
         cpu_threads=cpu_threads,
     )
-    engine, _ = build_engine(cfg, metrics=False)  # no HTTP: no /metrics observer
+    engine, _ = build_engine(cfg)
     return engine
 
 

@@ -240,7 +240,6 @@ async def bench(args: argparse.Namespace) -> None:
             dtype=args.dtype,
             **engine_threads(args),
         ),
-        metrics=False,  # no HTTP: no /metrics observer
     )
     # transformers gets as many torch threads as our forward unless told (--threads)
     torch.set_num_threads(args.threads or forward_threads(engine))

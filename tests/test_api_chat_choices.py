@@ -8,7 +8,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from daemon.api.codecs.chat_choices import ChunkMerger
+from daemon.api.codecs.recipe.chat_choices import ChunkMerger
 from tests.conftest import V4_SERVED_NAME
 
 M = V4_SERVED_NAME

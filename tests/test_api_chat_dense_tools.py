@@ -492,8 +492,8 @@ def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) ->
     by the tools' JSON, so a repeated request builds nothing on the event loop."""
     import asyncio
 
+    from daemon.api.codecs.base import CodecError
     from daemon.api.codecs.constraints import Constraints
-    from daemon.api.http.errors import ApiError
     from daemon.models.tokenizer import TextTokenizer
 
     path = make_dense_checkpoint(tmp_path, with_tokenizer=True)
@@ -506,7 +506,7 @@ def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) ->
         again = await constraints.for_forced_calls("hermes", TOOLS, single=False)
         one = await constraints.for_forced_calls("llama3_json", TOOLS[:1], single=True)
         assert first.compiled is again.compiled and one.compiled is not first.compiled
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(CodecError) as e:
             await constraints.for_forced_calls("hermes", bad, single=False)
         assert e.value.param == "tools" and "cannot be compiled" in e.value.message
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import aiohttp
 from openai import OpenAI
 
+from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.http.models import DEMO_DESCRIPTION, model_card
-from daemon.api.http.state import ApiState
+from daemon.api.http.state import ApiState, Codecs
 from tests.conftest import TINY_MAX_MODEL_LEN
 
 
@@ -40,7 +41,8 @@ async def test_model_retrieve_unknown(api_server) -> None:
 
 def test_demo_model_card() -> None:
     engine = SimpleNamespace(max_model_len=4096)
-    card = model_card(ApiState(engine, "demo", demo=True, created=1))  # type: ignore[arg-type]
+    codecs = Codecs(CompletionsCodec(None, "demo"))
+    card = model_card(ApiState(engine, "demo", demo=True, created=1, codecs=codecs))  # type: ignore[arg-type]
     assert card["deepinfer_demo"] is True and card["description"] == DEMO_DESCRIPTION
 
 

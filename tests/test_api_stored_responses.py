@@ -10,8 +10,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http.config import ServerConfig
-from daemon.api.http.response_store import ResponseStore
 from daemon.build.config import EngineConfig
 from daemon.service.settings import ConfigError, load_settings
 from tests.conftest import V4_SERVED_NAME, LiveServer

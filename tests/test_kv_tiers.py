@@ -166,6 +166,8 @@ async def test_damaged_store_files_are_misses_not_errors(dense, tmp_path) -> Non
 async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
     from prometheus_client import generate_latest
 
+    from daemon.loop.metrics import EngineMetrics
+
     expected, _ = await run(dense, 512, prefix_caching=False)
     with tmpfs(tmp_path / "small", "size=64k") as root:
         fill(root)
@@ -174,7 +176,9 @@ async def test_full_store_disk_keeps_serving(dense, tmp_path) -> None:
             with capture_logs() as logs:
                 turns = await conversation(engine, 512)
             stats = engine.stats()
-            scraped = generate_latest(engine.observer.registry).decode()
+            metrics = EngineMetrics()
+            metrics.collect_engine(engine)
+            scraped = generate_latest(metrics.registry).decode()
         finally:
             await engine.stop()
     assert answers(turns) == answers(expected)

@@ -1,1 +1,2 @@
-"""aiohttp routes, SSE streaming and protocol errors."""
+"""The API: `http` (the aiohttp server, middleware, routes, SSE, errors) above `codecs` (protocol
+bodies -> engine requests, engine outputs -> protocol answers)."""

@@ -36,10 +36,10 @@ log = structlog.get_logger(__name__)
 KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old store files miss
 
 
-def build_engine(cfg: EngineConfig, metrics: bool = True) -> tuple[Engine, str]:
-    """The engine and the name it serves the model under; `metrics`: with its request
-    observer (EngineMetrics, what /metrics serves). A model, device or KV budget that
-    cannot serve raises StartupError."""
+def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tuple[Engine, str]:
+    """The engine and the name it serves the model under; `metrics`: its request observer
+    (what /metrics serves), None for none. A model, device or KV budget that cannot serve
+    raises StartupError."""
     with failing_as("model", ModelLoadError, OSError):
         path = Path(cfg.model) if cfg.model else ensure_demo_model()
         hf_config = read_config(path)
@@ -87,7 +87,6 @@ def build_engine(cfg: EngineConfig, metrics: bool = True) -> tuple[Engine, str]:
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     executor = lockstep_executor(moe, model, runner)
     store = prefix.store if prefix is not None else None
-    observer = EngineMetrics() if metrics else None
     engine = Engine(
         runner,
         kv,
@@ -102,10 +101,10 @@ def build_engine(cfg: EngineConfig, metrics: bool = True) -> tuple[Engine, str]:
         sweeper=_sweeper(cfg, store, prefix.classes) if prefix and store else None,
         sweep_interval_s=cfg.kv_store_gc_interval_s,
         moe=moe,
-        observer=observer,
+        observer=metrics,
     )
-    if observer is not None:
-        observer.collect_engine(engine)
+    if metrics is not None:
+        metrics.collect_engine(engine)
     if cfg.served_model_name:
         name = cfg.served_model_name
     elif is_demo(hf_config):

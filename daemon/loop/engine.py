@@ -73,7 +73,7 @@ class RequestRejected(ValueError):
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.param = param  # the request field at fault, where it is not the prompt's length
+        self.param = param  # the request field at fault
 
 
 class Engine:
@@ -170,20 +170,22 @@ class Engine:
         if self.error is not None:
             raise RuntimeError("the engine loop has failed") from self.error
         if not prompt_ids:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
         total = len(prompt_ids) + params.max_tokens
         if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more"
+                f"has {len(prompt_ids)} prompt tokens and asks for {params.max_tokens} more",
+                "prompt" if len(prompt_ids) >= self.max_model_len else "max_tokens",
             )
         if total > self.kv.capacity_tokens():
             raise RequestRejected(
-                f"the request needs {total} tokens of KV memory; the pool holds {self.kv.capacity_tokens()}"
+                f"the request needs {total} tokens of KV memory; the pool holds {self.kv.capacity_tokens()}",
+                "prompt",
             )
         vocab = self.runner.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestRejected(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         req = Request(
@@ -195,7 +197,7 @@ class Engine:
             prefix=PrefixState(cache_salt=cache_salt, traffic_class=traffic_class),
         )
         if req.request_id in self.requests:
-            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+            raise RequestRejected(f"request id {req.request_id!r} is already in use", "request_id")
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token has none
         req.outputs = asyncio.Queue()

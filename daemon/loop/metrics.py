@@ -67,12 +67,6 @@ class EngineMetrics:
             ["finished_reason"],
             registry=r,
         )
-        self.errors = Counter(
-            "deepinfer:http_errors",
-            "Error responses by status and type.",
-            ["status", "type"],
-            registry=r,
-        )
 
     def collect_engine(self, engine: Engine) -> None:
         """Serve `engine`'s gauges and counters too, read from it at each scrape."""
@@ -100,9 +94,6 @@ class EngineMetrics:
             self.cached_tokens.labels(tier).inc(n)
         reason = req.finish_reason or FinishReason.ABORT
         self.finished.labels(reason.value).inc()
-
-    def on_error(self, status: int, kind: str) -> None:
-        self.errors.labels(str(status), kind).inc()
 
 
 class _EngineCollector:

@@ -19,6 +19,7 @@ from daemon.api.http.state import STATE, ApiState
 from daemon.build.demo import is_demo
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
+from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
 from daemon.service.sd_notify import Notifier
@@ -46,7 +47,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
             if server_cfg.admin_socket:
                 admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
                 unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
-            engine, name = build_engine(engine_cfg)
+            metrics = EngineMetrics()
+            engine, name = build_engine(engine_cfg, metrics)
             # restored first: past pop_all no _StopStarting could reach the `except` below
             # with the sockets already out of the stack
             signal.signal(signal.SIGTERM, previous)
@@ -62,7 +64,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
     model_dir = Path(engine_cfg.model) if engine_cfg.model else None
     logs.add_secret(server_cfg.api_key)
-    app = create_app(engine, name, server_cfg, demo=demo, model_dir=model_dir)
+    app = create_app(engine, name, server_cfg, metrics=metrics, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
     url = f"http://{host}:{bound_port(runner)}/v1"

@@ -14,6 +14,7 @@ from daemon.api.http.config import ServerConfig
 from daemon.api.http.server import bound_port, create_app, start_server
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
+from daemon.loop.metrics import EngineMetrics
 from daemon.service.logs import add_secret
 
 
@@ -68,10 +69,17 @@ class LiveServer:
             self._loop.close()
 
     async def _serve(self) -> None:
-        engine, self.model = build_engine(self.engine_cfg)
+        metrics = EngineMetrics()
+        engine, self.model = build_engine(self.engine_cfg, metrics)
         add_secret(self.server_cfg.api_key)
         runner = await start_server(
-            create_app(engine, self.model, self.server_cfg, model_dir=_model_dir(self.engine_cfg)),
+            create_app(
+                engine,
+                self.model,
+                self.server_cfg,
+                metrics=metrics,
+                model_dir=_model_dir(self.engine_cfg),
+            ),
             self.server_cfg,
         )
         self.port = bound_port(runner)

@@ -1,1 +1,2 @@
-"""Codecs: between protocol bodies and engine requests (recipe, chat templates, completions)."""
+"""Codecs (base.py's Codec): protocol bodies -> engine requests, engine outputs -> protocol
+answers (completions, dense chat templates, deepseek-recipe). Nothing here knows HTTP."""

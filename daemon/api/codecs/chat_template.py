@@ -12,8 +12,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.dense_tools import ToolRequest, tool_request
-from daemon.api.http.errors import ApiError, bad_request
 from daemon.models.tokenizer import TextTokenizer
 
 # As OpenAI lists them (its error message names them in this order).
@@ -59,9 +59,9 @@ class ChatTemplate:
         """`tools` (checked from the body when not given): rendered unless tool_choice none."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty array", "messages")
+            raise CodecError("'messages' must be a non-empty array", "messages")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise bad_request("each message must be an object with a string 'role'", "messages")
+            raise CodecError("each message must be an object with a string 'role'", "messages")
         messages = [_message(i, m) for i, m in enumerate(messages)]
         tools = tool_request(body) if tools is None else tools
         try:
@@ -72,7 +72,7 @@ class ChatTemplate:
                 **self.special,
             )
         except (jinja2.TemplateError, TypeError, ValueError) as e:  # e.g. str + a missing name
-            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+            raise CodecError(f"the chat template rejected the messages: {e}", "messages") from None
 
     def encode(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
         return self.tokenizer.encode(self.render(body, tools), add_special_tokens=False)
@@ -84,11 +84,10 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
     role = m["role"]
     if role not in ROLES:
         names = ", ".join(repr(r) for r in ROLES)
-        raise ApiError(
-            400,
+        raise CodecError(
             f"Invalid value: {role!r}. Supported values are: {names}.",
-            param=f"messages[{i}].role",
-            code="invalid_value",
+            f"messages[{i}].role",
+            "invalid_value",
         )
     out = m | {"content": _text(m.get("content"))}
     if role == "developer":  # OpenAI's newer name for system; templates know only system
@@ -98,7 +97,7 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
         out.pop("tool_calls", None)
         return out
     if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise bad_request("'tool_calls' must be an array of objects", f"messages[{i}].tool_calls")
+        raise CodecError("'tool_calls' must be an array of objects", f"messages[{i}].tool_calls")
     out["tool_calls"] = [_template_call(c) for c in calls]
     return out
 
@@ -145,7 +144,7 @@ def _text(content: Any) -> str:
         return "".join(
             p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str)
         )
-    raise bad_request("message 'content' must be a string or an array of parts", "messages")
+    raise CodecError("message 'content' must be a string or an array of parts", "messages")
 
 
 def _spelling(token: Any) -> str:

@@ -14,10 +14,10 @@ import deepseek_recipe as dr
 import structlog
 import xgrammar as xgr
 
+from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.dense_tool_grammar import forced_calls_tag
 from daemon.api.codecs.json_schema import ANNOTATIONS, ebnf, unenforced
 from daemon.api.codecs.tool_grammar import MARKER, tool_call_tag
-from daemon.api.http.errors import bad_request
 from daemon.loop.constraint import GrammarConstraint
 from daemon.models.tokenizer import TextTokenizer
 
@@ -72,7 +72,7 @@ class Constraints:
         `trigger`: the end-of-thinking token in thinking mode."""
         kind, source = options.kind(oc.kind), oc.schema
         if kind.startswith("tool_call_any") and trigger is not None:
-            raise bad_request("Thinking mode does not support this tool_choice")
+            raise CodecError("Thinking mode does not support this tool_choice")
         if oc.kind == "json" and options.schema is not None:
             source = options.schema
         if not self.enforces(kind):
@@ -83,7 +83,7 @@ class Constraints:
         """kind: json (source: a JSON schema, or "" for any JSON object) | regex | one of
         TOOL_KINDS, with ":one" for at most one call (source: the recipe's tool list) |
         "dense_tools:<parser>", with ":one" for exactly one call (source: the tools' JSON).
-        400 if invalid."""
+        CodecError if invalid."""
         key = (kind, source)
         fut = self._cache.get(key)
         if fut is None:
@@ -99,10 +99,10 @@ class Constraints:
         except (ValueError, RuntimeError) as e:
             self._cache.pop(key, None)
             if kind.startswith(_DENSE_TOOLS):  # a parameter schema xgrammar refuses
-                raise bad_request(
+                raise CodecError(
                     f"the tools' parameters cannot be compiled: {e}", "tools"
                 ) from None
-            raise bad_request(f"the output constraint cannot be compiled: {e}") from None
+            raise CodecError(f"the output constraint cannot be compiled: {e}") from None
 
     async def for_forced_calls(
         self, parser: str, tools: list[dict[str, Any]], *, single: bool
@@ -137,9 +137,7 @@ class Constraints:
         if fmt is None:
             return None
         if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise bad_request(
-                "'response_format' must be an object with a 'type'", "response_format"
-            )
+            raise CodecError("'response_format' must be an object with a 'type'", "response_format")
         kind = fmt["type"]
         if kind == "text":
             return None
@@ -148,11 +146,11 @@ class Constraints:
         if kind == "json_schema":
             schema = _format_schema(fmt.get("json_schema"), "response_format")
             if schema is None:
-                raise bad_request("'response_format.json_schema.schema' must be an object")
+                raise CodecError("'response_format.json_schema.schema' must be an object")
             return Grammar(await self.compile("json", json.dumps(schema)))
         if kind == "regex" and isinstance(fmt.get("regex"), str):
             return Grammar(await self.compile("regex", fmt["regex"]))
-        raise bad_request(f"unsupported response_format type {kind!r}", "response_format")
+        raise CodecError(f"unsupported response_format type {kind!r}", "response_format")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -173,7 +171,7 @@ class OutputOptions:
     def read(cls, protocol: str, body: dict[str, Any]) -> tuple[OutputOptions, dict[str, Any]]:
         """The options of a chat / responses / messages body, and the body for the recipe:
         without a json_schema's `strict`, which is checked here against what the grammar
-        enforces (400 naming a keyword it does not) rather than by the recipe's subset."""
+        enforces (CodecError naming a keyword it does not) rather than by the recipe's subset."""
         choice = body.get("tool_choice")
         choice = choice if isinstance(choice, dict) else {}
         if protocol == "messages":
@@ -219,7 +217,7 @@ def _client_schema(protocol: str, body: dict[str, Any]) -> tuple[str | None, dic
 
 def _format_schema(spec: Any, param: str) -> dict[str, Any] | None:
     """A json_schema format's schema, checked against what the grammar enforces when it is
-    strict (400 naming `param`); None when `spec` holds no schema object."""
+    strict (CodecError naming `param`); None when `spec` holds no schema object."""
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         return None
@@ -257,7 +255,7 @@ def check_strict_parameters(schema: dict[str, Any], param: str) -> None:
     top = set(schema) - ANNOTATIONS - _TOOL_TOP
     if top:
         keyword = sorted(top)[0]
-        raise bad_request(
+        raise CodecError(
             f"Invalid schema for '{param}': '{keyword}' is not supported at the top level of "
             "a tool's parameters",
             param,
@@ -266,11 +264,11 @@ def check_strict_parameters(schema: dict[str, Any], param: str) -> None:
 
 
 def check_strict(schema: Any, param: str) -> None:
-    """400 naming the first keyword of a strict schema that the grammar would not hold every
-    output to, as OpenAI refuses a strict schema with a keyword it does not support."""
+    """CodecError naming the first keyword of a strict schema that the grammar would not hold
+    every output to, as OpenAI refuses a strict schema with a keyword it does not support."""
     found = unenforced(schema)
     if found is not None:
-        raise bad_request(f"Invalid schema for '{param}': {found.message()}", param)
+        raise CodecError(f"Invalid schema for '{param}': {found.message()}", param)
 
 
 def tokenizer_info(

@@ -1,5 +1,5 @@
 """Chat Completions `tools`, `tool_choice` and `parallel_tool_calls` for dense models, checked
-as OpenAI checks them (400 naming the field)."""
+as OpenAI checks them (CodecError naming the field)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.api.http.errors import bad_request
-from daemon.api.http.params import get_bool
+from daemon.api.codecs.base import CodecError
+from daemon.api.codecs.params import get_bool
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
@@ -45,7 +45,7 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
         return ToolRequest(tools, "auto" if tools else "none", None, parallel)
     if isinstance(raw, str):
         if raw not in CHOICES:
-            raise bad_request(
+            raise CodecError(
                 f"Invalid value for 'tool_choice': {raw!r}; expected one of "
                 f"{', '.join(CHOICES)} or a function object",
                 "tool_choice",
@@ -59,19 +59,19 @@ def tool_request(body: dict[str, Any]) -> ToolRequest:
     ):
         choice, name = "named", raw["function"]["name"]
     else:
-        raise bad_request(
+        raise CodecError(
             "'tool_choice' must be none, auto, required or "
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
     if choice != "none" and not tools:
-        raise bad_request(
+        raise CodecError(
             "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are "
             "specified.",
             "tool_choice",
         )
     if name is not None and name not in {t["function"]["name"] for t in tools}:
-        raise bad_request(f"tool_choice names {name!r}, which is not among 'tools'", "tool_choice")
+        raise CodecError(f"tool_choice names {name!r}, which is not among 'tools'", "tool_choice")
     return ToolRequest(tools, choice, name, parallel)
 
 
@@ -79,29 +79,29 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise bad_request("'tools' must be an array of function tools", "tools")
+        raise CodecError("'tools' must be an array of function tools", "tools")
     seen: set[str] = set()
     for i, tool in enumerate(raw):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"'{where}' must be an object with type 'function'", where)
+            raise CodecError(f"'{where}' must be an object with type 'function'", where)
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise bad_request(f"'{where}.function' must be an object", f"{where}.function")
+            raise CodecError(f"'{where}.function' must be an object", f"{where}.function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise bad_request(
+            raise CodecError(
                 f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'",
                 f"{where}.function.name",
             )
         if name in seen:
-            raise bad_request(f"two tools are named {name!r}", f"{where}.function.name")
+            raise CodecError(f"two tools are named {name!r}", f"{where}.function.name")
         seen.add(name)
         params = fn.get("parameters")
         if params is not None and (
             not isinstance(params, dict) or params.get("type", "object") != "object"
         ):
-            raise bad_request(
+            raise CodecError(
                 f"'{where}.function.parameters' must be a JSON schema of type 'object'",
                 f"{where}.function.parameters",
             )

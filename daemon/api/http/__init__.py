@@ -1,1 +1,2 @@
-"""The HTTP side of the API: server, middleware, state, routes, SSE, errors."""
+"""The HTTP side of the API: server, middleware, state, routes, SSE, errors, and respond.py,
+which answers every codec's call."""

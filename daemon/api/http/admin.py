@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
+from daemon.api.codecs.params import get_int
 from daemon.api.http.errors import ApiError, bad_request, error_middleware
-from daemon.api.http.params import get_int
 from daemon.api.http.state import ApiState
 from daemon.build.startup import StartupError, failing_as
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from daemon.api.codecs.base import JsonObject
+from daemon.api.codecs.params import get_str
 from daemon.api.http.errors import bad_request
-from daemon.api.http.params import JsonObject, get_str
 from daemon.kv.traffic import DEFAULT_CLASS
 from daemon.loop.engine import Engine
 
@@ -40,10 +41,3 @@ def cache_options(request: web.Request, body: JsonObject, engine: Engine) -> Cac
             "cache_salt",
         )
     return CacheOptions(traffic_class, salt.encode() if salt else b"")
-
-
-def prompt_tokens_details(cached_tokens: int, by_tier: dict[str, int] | None) -> dict:
-    details: dict = {"cached_tokens": cached_tokens}
-    if by_tier:
-        details["cached_tokens_by_tier"] = by_tier
-    return details

@@ -1,17 +1,29 @@
 """Error objects in each protocol's shape (OpenAI's, Anthropic's for /v1/messages), the ApiError
-exception handlers raise, and the middleware that turns every failure into that shape."""
+exception handlers raise, and the middleware that turns every failure (a codec's CodecError
+among them) into that shape."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import orjson
 import structlog
 from aiohttp import web
 
+from daemon.api.codecs.base import CodecError
+
 log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+class ErrorCounter(Protocol):
+    """Where the answered errors are counted (the /metrics error counter)."""
+
+    def on_error(self, status: int, kind: str) -> None: ...
+
 
 _TYPES = {
     400: "invalid_request_error",
@@ -112,6 +124,10 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def from_codec(e: CodecError) -> ApiError:
+    return ApiError(400, e.message, param=e.param, code=e.code)
+
+
 def unauthorized() -> ApiError:
     return ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
 
@@ -148,34 +164,42 @@ def is_anthropic(request: web.Request) -> bool:
     return request.path.startswith(ANTHROPIC_PATHS)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    anthropic = is_anthropic(request)
-    try:
-        return await handler(request)
-    except ApiError as e:
-        _count(request, e.status, e.type_ or error_type(e.status))
-        return e.response(anthropic)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        _count(request, e.status, error_type(e.status))
-        return error_response(e.status, _http_message(request, e), anthropic=anthropic)
-    except ConnectionResetError:  # the client went away; nobody reads this answer
-        log.info("client_disconnected", method=request.method, path=request.path)
-        return web.Response(status=499)
-    except Exception:
-        log.exception("unhandled_error", method=request.method, path=request.path)
-        _count(request, 500, error_type(500))
-        return internal_error().response(anthropic)
+def counting_errors(counter: ErrorCounter | None) -> Middleware:
+    """The middleware that answers every failure in its protocol's shape, counting each answered
+    error (status, type) on `counter`."""
+
+    def count(status: int, kind: str) -> None:
+        if counter is not None:
+            counter.on_error(status, kind)
+
+    @web.middleware
+    async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        anthropic = is_anthropic(request)
+        try:
+            return await handler(request)
+        except CodecError as e:
+            count(400, error_type(400))
+            return from_codec(e).response(anthropic)
+        except ApiError as e:
+            count(e.status, e.type_ or error_type(e.status))
+            return e.response(anthropic)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            count(e.status, error_type(e.status))
+            return error_response(e.status, _http_message(request, e), anthropic=anthropic)
+        except ConnectionResetError:  # the client went away; nobody reads this answer
+            log.info("client_disconnected", method=request.method, path=request.path)
+            return web.Response(status=499)
+        except Exception:
+            log.exception("unhandled_error", method=request.method, path=request.path)
+            count(500, error_type(500))
+            return internal_error().response(anthropic)
+
+    return error_middleware
 
 
-def _count(request: web.Request, status: int, kind: str) -> None:
-    from daemon.api.http.state import STATE  # (state imports this module)
-
-    state = request.app.get(STATE)
-    if state is not None and state.metrics is not None:
-        state.metrics.on_error(status, kind)
+error_middleware = counting_errors(None)  # counting nothing (the admin socket)
 
 
 def _http_message(request: web.Request, e: web.HTTPException) -> str:

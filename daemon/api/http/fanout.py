@@ -5,38 +5,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from types import TracebackType
 
-from daemon.api.codecs.constraints import Grammar
+from daemon.api.codecs.base import Job
 from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
-from daemon.loop.request import Request, RequestOutput, SamplingParams
-
-
-def seeded(params: SamplingParams, choice: int) -> SamplingParams:
-    """Choice i of a prompt samples with seed+i, so n>1 with a seed gives n different texts."""
-    if params.seed is None or choice == 0:
-        return params
-    return replace(params, seed=params.seed + choice)
-
-
-def sample_jobs(
-    prompt_ids: list[int], params: SamplingParams, n: int, grammar: Grammar | None = None
-) -> list[tuple[list[int], SamplingParams]]:
-    """The n choices of one prompt, each with its own seed (see `seeded`) and grammar matcher."""
-    jobs = []
-    for i in range(n):
-        p = replace(seeded(params, i), constraint=grammar.constraint() if grammar else None)
-        jobs.append((prompt_ids, p))
-    return jobs
+from daemon.loop.request import Request, RequestOutput
 
 
 def submit_all(
     engine: Engine,
     base_id: str,
-    jobs: list[tuple[list[int], SamplingParams]],
+    jobs: list[Job],
     priority: int = 0,
     cache: CacheOptions = CacheOptions(),
 ) -> list[Request]:
@@ -56,7 +37,7 @@ def submit_all(
             )
     except RequestRejected as e:
         _abort(engine, reqs)
-        raise bad_request(str(e), e.param or _rejected_param(engine, prompt_ids, params)) from None
+        raise bad_request(str(e), e.param) from None
     except RuntimeError:  # the engine loop has failed
         _abort(engine, reqs)
         raise unavailable("the inference engine has failed; the server must be restarted") from None
@@ -112,12 +93,3 @@ def _abort(engine: Engine, reqs: list[Request]) -> None:
     for req in reqs:
         if not req.finished:
             engine.abort(req.request_id)
-
-
-def _rejected_param(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> str | None:
-    fits = len(prompt_ids) < engine.max_model_len
-    return (
-        "max_tokens"
-        if fits and len(prompt_ids) + params.max_tokens > engine.max_model_len
-        else "prompt"
-    )

@@ -11,8 +11,12 @@ import structlog
 from aiohttp import web
 
 from daemon.api.codecs.chat_template import ChatTemplate
+from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.codecs.constraints import Constraints
-from daemon.api.codecs.recipe.codec import RecipeCodec
+from daemon.api.codecs.dense_chat import DenseChatCodec
+from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCodec
+from daemon.api.codecs.recipe.conversation import ConversationCodec
+from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http import (
     completions,
     conversations,
@@ -21,12 +25,12 @@ from daemon.api.http import (
     stored_responses,
     tokenize,
 )
+from daemon.api.http import metrics as metrics_route
 from daemon.api.http.access import AccessLogger, echo_request_id, request_id_middleware
 from daemon.api.http.auth import auth_middleware
 from daemon.api.http.config import ServerConfig
-from daemon.api.http.errors import error_middleware
-from daemon.api.http.response_store import ResponseStore
-from daemon.api.http.state import STATE, ApiState
+from daemon.api.http.errors import counting_errors
+from daemon.api.http.state import STATE, ApiState, Codecs
 from daemon.build.demo import DEMO_NAME
 from daemon.build.startup import failing_as
 from daemon.loop.engine import Engine
@@ -51,36 +55,36 @@ def create_app(
     served_name: str,
     server_cfg: ServerConfig,
     *,
+    metrics: EngineMetrics,
     demo: bool | None = None,
     model_dir: Path | None = None,
 ) -> web.Application:
-    """`model_dir` (the checkpoint) supplies the chat template of non-DeepSeek families."""
-    codec = _codec(engine, served_name, server_cfg.thinking_default)
+    """`metrics`: the engine's request observer (what /metrics serves); `model_dir` (the
+    checkpoint) supplies the chat template of non-DeepSeek families."""
+    store = ResponseStore(
+        server_cfg.response_store_max_count,
+        int(server_cfg.response_store_memory_gb * 2**30),
+        server_cfg.response_store_ttl_s,
+    )
     app = web.Application(
         client_max_size=server_cfg.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware, auth_middleware],
+        middlewares=[
+            request_id_middleware,
+            counting_errors(metrics_route.HttpErrors(metrics.registry)),
+            auth_middleware,
+        ],
     )
     app[STATE] = ApiState(
         engine,
         served_name,
         served_name == DEMO_NAME if demo is None else demo,
         int(time.time()),
-        codec=codec,
-        chat_template=(
-            _chat_template(engine, model_dir, server_cfg.tool_call_parser)
-            if codec is None
-            else None
-        ),
-        constraints=_constraints(engine),
+        _codecs(engine, served_name, server_cfg, model_dir, store),
         max_waiting=server_cfg.max_waiting,
         api_key=server_cfg.api_key,
-        metrics=engine.observer if isinstance(engine.observer, EngineMetrics) else None,
+        metrics=metrics,
     )
-    app[stored_responses.RESPONSE_STORE] = ResponseStore(
-        server_cfg.response_store_max_count,
-        int(server_cfg.response_store_memory_gb * 2**30),
-        server_cfg.response_store_ttl_s,
-    )
+    app[stored_responses.RESPONSE_STORE] = store
     for endpoint in ENDPOINTS:
         endpoint.register(app)
     app.on_response_prepare.append(echo_request_id)
@@ -90,25 +94,36 @@ def create_app(
     return app
 
 
-def _codec(engine: Engine, served_name: str, thinking_default: str) -> RecipeCodec | None:
-    """DeepSeek-V4 checkpoints with a tokenizer speak through deepseek-recipe."""
-    if engine.tokenizer is None or not is_deepseek_v4(engine.runner.model):
-        return None
-    return RecipeCodec(engine.tokenizer, served_name, engine.max_model_len, thinking_default)
-
-
-def _constraints(engine: Engine) -> Constraints | None:
-    if engine.tokenizer is None:
-        return None
-    return Constraints(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
-
-
-def _chat_template(
-    engine: Engine, model_dir: Path | None, tool_parser: str = "auto"
-) -> ChatTemplate | None:
-    if engine.tokenizer is None or model_dir is None:
-        return None
-    return ChatTemplate.load(model_dir, engine.tokenizer, tool_parser)
+def _codecs(
+    engine: Engine,
+    served_name: str,
+    server_cfg: ServerConfig,
+    model_dir: Path | None,
+    store: ResponseStore,
+) -> Codecs:
+    """DeepSeek-V4 checkpoints with a tokenizer speak through deepseek-recipe; other families'
+    chat goes through the checkpoint's chat template, where it has one."""
+    tok = engine.tokenizer
+    completions = CompletionsCodec(tok, served_name)
+    if tok is None:
+        return Codecs(completions)
+    constraints = Constraints(tok, engine.runner.vocab_size, engine.eos_token_ids)
+    if is_deepseek_v4(engine.runner.model):
+        recipe = RecipeCodec(tok, served_name, engine.max_model_len, server_cfg.thinking_default)
+        conversations = {
+            p.name: ConversationCodec(recipe, p, constraints, engine.eos_token_ids, store)
+            for p in (CHAT, RESPONSES, MESSAGES)
+        }
+        return Codecs(completions, conversations, recipe=recipe, constraints=constraints)
+    template = (
+        ChatTemplate.load(model_dir, tok, server_cfg.tool_call_parser)
+        if model_dir is not None
+        else None
+    )
+    if template is None:
+        return Codecs(completions, constraints=constraints)
+    chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len)
+    return Codecs(completions, {CHAT.name: chat}, chat_template=template, constraints=constraints)
 
 
 def is_deepseek_v4(model: object) -> bool:
@@ -126,8 +141,8 @@ async def _stopping(app: web.Application) -> None:
 
 async def _stop_engine(app: web.Application) -> None:
     await app[STATE].engine.stop()
-    if app[STATE].constraints is not None:
-        app[STATE].constraints.close()
+    if app[STATE].codecs.constraints is not None:
+        app[STATE].codecs.constraints.close()
 
 
 def bind_tcp(host: str, port: int) -> list[socket.socket]:

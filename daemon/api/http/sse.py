@@ -33,9 +33,5 @@ class SSEWriter:
         head = "event: " + event + "\n" if event else ""
         await self.response.write((head + "data: " + data + "\n\n").encode())
 
-    async def done(self) -> None:
-        """OpenAI's end-of-stream marker."""
-        await self.response.write(b"data: [DONE]\n\n")
-
     async def close(self) -> None:
         await self.response.write_eof()

@@ -1,4 +1,5 @@
-"""What every route handler shares: the engine, the served model name, and body reading."""
+"""What every route handler shares: the engine, the served model name, the model's codecs, and
+body reading."""
 
 from __future__ import annotations
 
@@ -7,12 +8,27 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
+from daemon.api.codecs.base import Codec, JsonObject
 from daemon.api.codecs.chat_template import ChatTemplate
+from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.codecs.constraints import Constraints
 from daemon.api.codecs.recipe.codec import RecipeCodec
 from daemon.api.http.errors import ApiError, bad_request, model_not_found, overloaded, unavailable
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
+
+
+@dataclass(frozen=True)
+class Codecs:
+    """What the model speaks: completions always; with a chat codec, `conversations` by the
+    recipe's protocol names: chat, responses and messages through deepseek-recipe (DeepSeek-V4),
+    or chat alone through the checkpoint's own chat template (other families)."""
+
+    completions: CompletionsCodec
+    conversations: dict[str, Codec[JsonObject]] = field(default_factory=dict)
+    recipe: RecipeCodec | None = None  # DeepSeek-V4: /tokenize's chat ids, count_tokens
+    chat_template: ChatTemplate | None = None  # other families: /tokenize's chat ids
+    constraints: Constraints | None = None  # structured output (xgrammar), closed with the app
 
 
 @dataclass
@@ -21,9 +37,7 @@ class ApiState:
     served_name: str
     demo: bool  # random-weight demo model: its output is noise
     created: int  # unix time the server started, shown as the model's `created`
-    codec: RecipeCodec | None = None  # DeepSeek family: chat/responses/messages via recipe
-    chat_template: ChatTemplate | None = None  # other families: the checkpoint's own template
-    constraints: Constraints | None = None  # structured output (xgrammar)
+    codecs: Codecs
     max_waiting: int = 0  # 429 once this many requests wait for the engine (0 = no limit)
     api_key: str | None = field(default=None, repr=False)
     metrics: EngineMetrics | None = None

@@ -8,9 +8,8 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from daemon.api.codecs.recipe.codec import CodecError
+from daemon.api.codecs.params import get_bool, get_int_list, get_str
 from daemon.api.http.errors import bad_request
-from daemon.api.http.params import get_bool, get_int_list, get_str
 from daemon.api.http.state import ApiState, get_state, read_json_object
 from daemon.models.tokenizer import TextTokenizer
 
@@ -57,12 +56,10 @@ async def count_tokens(request: web.Request) -> web.Response:
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
     state.check_model(model)
-    if state.codec is None:
+    recipe = state.codecs.recipe
+    if recipe is None:
         raise bad_request(f"{request.path} is not available for this model (it has no chat codec)")
-    try:
-        count = await asyncio.to_thread(state.codec.count_messages, body)
-    except CodecError as e:
-        raise bad_request(str(e)) from None
+    count = await asyncio.to_thread(recipe.count_messages, body)
     return web.json_response({"input_tokens": count})
 
 
@@ -76,13 +73,11 @@ def _tokenizer(state: ApiState, body: dict) -> TextTokenizer:
 
 
 def _chat_ids(state: ApiState, body: dict) -> list[int]:
-    if state.codec is not None:
-        try:
-            return state.codec.encode_chat(body | {"model": state.served_name})
-        except CodecError as e:
-            raise bad_request(str(e), "messages") from None
-    if state.chat_template is not None:
-        return state.chat_template.encode(body)
+    codecs = state.codecs
+    if codecs.recipe is not None:
+        return codecs.recipe.encode_chat(body | {"model": state.served_name})
+    if codecs.chat_template is not None:
+        return codecs.chat_template.encode(body)
     raise bad_request("this model has no chat template; give 'prompt'", "messages")
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.recipe.bodies import Body, chat_body, messages_body
 from daemon.loop.request import SamplingParams
 from daemon.models.tokenizer import TextTokenizer
@@ -31,10 +32,6 @@ CHAT = Protocol("chat", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "ch
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_")
 THINKING_DEFAULTS = ("auto", "on", "off")  # auto: per protocol (thinks_by_default)
-
-
-class CodecError(ValueError):
-    """The body cannot be converted; `message` is safe to show the client (400)."""
 
 
 @dataclass
@@ -109,21 +106,26 @@ class RecipeCodec:
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """The prompt ids of a Chat Completions body (for /tokenize)."""
-        return self._encode(CHAT, body, chat_body)
+        return self._encode(CHAT, body, chat_body, "messages")
 
     def count_messages(self, body: dict[str, Any]) -> int:
         """The prompt tokens of a Messages body, which needs no `max_tokens` (count_tokens)."""
         return len(self._encode(MESSAGES, body, partial(messages_body, counting=True)))
 
     def _encode(
-        self, protocol: Protocol, body: dict[str, Any], adapt_body: Callable[[Body], Body]
+        self,
+        protocol: Protocol,
+        body: dict[str, Any],
+        adapt_body: Callable[[Body], Body],
+        param: str | None = None,
     ) -> list[int]:
+        """CodecError naming `param`, if given, for a body that does not convert."""
         try:
             request = protocol.request_cls(adapt_body(body))
             conv = request.convert(self.options[protocol.name])
             return self.encoding.encode(conv.conversation)
         except (dr.ConversionError, ValueError) as e:
-            raise CodecError(str(e)) from None
+            raise CodecError(str(e), param) from None
 
     def processor(self, prepared: Prepared) -> dr.StreamProcessor:
         """A parser for one generated choice (each choice needs its own)."""

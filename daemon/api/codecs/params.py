@@ -1,14 +1,10 @@
-"""Typed reads of JSON request fields (wrong types -> 400 naming the field) and the sampling
-parameters that every generation endpoint shares."""
+"""Typed reads of JSON request fields (wrong types -> CodecError naming the field) and the
+sampling parameters that every generation endpoint shares."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from daemon.api.http.errors import bad_request
+from daemon.api.codecs.base import CodecError, JsonObject
 from daemon.loop.request import SamplingParams
-
-JsonObject = dict[str, Any]
 
 
 def get_int(
@@ -23,7 +19,7 @@ def get_int(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be an integer, got {_kind(value)}", name)
     _check_range(name, value, lo, hi)
     return value
 
@@ -41,9 +37,9 @@ def get_float(
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"'{name}' must be a number, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be a number, got {_kind(value)}", name)
     if lo_open and lo is not None and value <= lo:
-        raise bad_request(f"'{name}' must be greater than {lo}, got {value}", name)
+        raise CodecError(f"'{name}' must be greater than {lo}, got {value}", name)
     _check_range(name, value, lo, hi)
     return float(value)
 
@@ -53,7 +49,7 @@ def get_bool(body: JsonObject, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be a boolean, got {_kind(value)}", name)
     return value
 
 
@@ -62,7 +58,7 @@ def get_str(body: JsonObject, name: str, default: str | None = None) -> str | No
     if value is None:
         return default
     if not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be a string, got {_kind(value)}", name)
     return value
 
 
@@ -71,7 +67,7 @@ def get_object(body: JsonObject, name: str) -> JsonObject:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad_request(f"'{name}' must be an object, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be an object, got {_kind(value)}", name)
     return value
 
 
@@ -82,9 +78,9 @@ def get_stop(body: JsonObject, name: str = "stop", max_items: int = 64) -> list[
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise bad_request(f"'{name}' must be a string or a list of strings", name)
+        raise CodecError(f"'{name}' must be a string or a list of strings", name)
     if len(value) > max_items:
-        raise bad_request(f"'{name}' may hold at most {max_items} strings", name)
+        raise CodecError(f"'{name}' may hold at most {max_items} strings", name)
     return value
 
 
@@ -93,7 +89,7 @@ def get_int_list(body: JsonObject, name: str) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(is_int(t) for t in value):
-        raise bad_request(f"'{name}' must be a list of integers", name)
+        raise CodecError(f"'{name}' must be a list of integers", name)
     return value
 
 
@@ -106,15 +102,15 @@ def get_logit_bias(body: JsonObject, name: str = "logit_bias") -> dict[int, floa
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad_request(f"'{name}' must be an object, got {_kind(value)}", name)
+        raise CodecError(f"'{name}' must be an object, got {_kind(value)}", name)
     if len(value) > MAX_LOGIT_BIAS:
-        raise bad_request(f"'{name}' holds at most {MAX_LOGIT_BIAS} tokens", name)
+        raise CodecError(f"'{name}' holds at most {MAX_LOGIT_BIAS} tokens", name)
     bias: dict[int, float] = {}
     for key, v in value.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise bad_request(f"'{name}' keys must be token ids, got {key[:32]!r}", name)
+            raise CodecError(f"'{name}' keys must be token ids, got {key[:32]!r}", name)
         if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-            raise bad_request(f"'{name}' values must be numbers in [-100, 100]", name)
+            raise CodecError(f"'{name}' values must be numbers in [-100, 100]", name)
         bias[int(key)] = float(v)
     return bias
 
@@ -153,14 +149,14 @@ def sampling_params(
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         )
     except ValueError as e:  # SamplingParams' own checks, should ours miss one
-        raise bad_request(str(e)) from None
+        raise CodecError(str(e)) from None
 
 
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if lo is not None and value < lo:
-        raise bad_request(f"'{name}' must be at least {lo}, got {value}", name)
+        raise CodecError(f"'{name}' must be at least {lo}, got {value}", name)
     if hi is not None and value > hi:
-        raise bad_request(f"'{name}' must be at most {hi}, got {value}", name)
+        raise CodecError(f"'{name}' must be at most {hi}, got {value}", name)
 
 
 def _kind(value: object) -> str:

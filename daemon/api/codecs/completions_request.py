@@ -1,14 +1,14 @@
-"""Parse and validate a /v1/completions body (OpenAI legacy completions plus vLLM extras)."""
+"""Parse and validate a /v1/completions body (OpenAI legacy completions plus vLLM extras), and
+tokenize its prompts."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
-from daemon.api.http.errors import bad_request
-from daemon.api.http.fanout import seeded
-from daemon.api.http.params import (
-    JsonObject,
+from daemon.api.codecs.base import CodecError, JsonObject
+from daemon.api.codecs.jobs import seeded
+from daemon.api.codecs.params import (
     get_bool,
     get_int,
     get_object,
@@ -44,18 +44,18 @@ class CompletionRequest:
 def parse_completion_request(body: JsonObject) -> CompletionRequest:
     model = body.get("model")
     if model is None:
-        raise bad_request("'model' is required", "model")
+        raise CodecError("'model' is required", "model")
     if not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
+        raise CodecError("'model' must be a string", "model")
     prompts = _parse_prompt(body.get("prompt"))
     echo = get_bool(body, "echo")
     if get_str(body, "suffix"):
-        raise bad_request("'suffix' is not supported", "suffix")
+        raise CodecError("'suffix' is not supported", "suffix")
     get_str(body, "user")  # accepted and ignored, but it must be a string
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", lo=1)
     if best_of is not None and best_of != n:
-        raise bad_request("'best_of' is only supported when it equals 'n'", "best_of")
+        raise CodecError("'best_of' is only supported when it equals 'n'", "best_of")
     max_tokens = get_int(body, "max_tokens", 16, lo=0 if echo else 1)
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     # vLLM's extra; echo with logprobs scores the prompt too (as OpenAI and vLLM do)
@@ -86,11 +86,11 @@ def parse_completion_request(body: JsonObject) -> CompletionRequest:
 def _parse_prompt(prompt: object) -> list[str | list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> one entry per prompt."""
     if prompt is None:
-        raise bad_request("'prompt' is required", "prompt")
+        raise CodecError("'prompt' is required", "prompt")
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request(
+        raise CodecError(
             "'prompt' must be a string, a list of strings, a list of token ids "
             "or a list of token-id lists, and must not be empty",
             "prompt",
@@ -101,7 +101,7 @@ def _parse_prompt(prompt: object) -> list[str | list[int]]:
         return [list(prompt)]
     if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
         return [list(p) for p in prompt]
-    raise bad_request(
+    raise CodecError(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of "
         "non-empty token-id lists (no mixing)",
         "prompt",
@@ -113,7 +113,7 @@ async def tokenize_prompts(
 ) -> list[list[int]]:
     texts = [p for p in prompts if isinstance(p, str)]
     if texts and tokenizer is None:
-        raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
+        raise CodecError("this model has no tokenizer; send the prompt as token ids", "prompt")
     if sum(len(t) for t in texts) > _TOKENIZE_IN_THREAD_CHARS:
         return await asyncio.to_thread(_tokenize, prompts, tokenizer)
     return _tokenize(prompts, tokenizer)

@@ -1,0 +1,85 @@
+"""A codec's call answered: its jobs submitted to the engine, their outputs made into the
+protocol's answer, whole or streamed as SSE, and the request noted for the access log. Whatever
+ends it (done, failed, cancelled, a client gone) aborts the engine requests left running."""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from daemon.api.codecs.base import Answer, Call, Event
+from daemon.api.http import access
+from daemon.api.http.cache_options import CacheOptions
+from daemon.api.http.errors import anthropic_error_body, is_anthropic, unavailable
+from daemon.api.http.fanout import FanOut, submit_all
+from daemon.api.http.sse import SSEWriter
+from daemon.loop.engine import Engine
+from daemon.loop.request import FinishReason, Request
+
+log = structlog.get_logger(__name__)
+
+
+async def respond(
+    request: web.Request, engine: Engine, call: Call, cache: CacheOptions
+) -> web.StreamResponse:
+    answer = call.answer()
+    try:
+        reqs = submit_all(engine, call.id, call.jobs, call.priority, cache)
+        try:
+            if call.stream:
+                return await _stream(request, engine, reqs, call.id, answer)
+            return await _whole(engine, reqs, answer)
+        finally:
+            access.note(request, call.id, reqs, call.stream)
+    finally:
+        answer.close()
+
+
+async def _whole(engine: Engine, reqs: list[Request], answer: Answer) -> web.Response:
+    async with FanOut(engine, reqs) as fan:
+        async for i, out in fan:
+            if out.finish_reason is FinishReason.ABORT:
+                raise unavailable(answer.aborted_message)
+            answer.add(i, out)
+    return web.Response(body=answer.body(), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request, engine: Engine, reqs: list[Request], api_id: str, answer: Answer
+) -> web.StreamResponse:
+    writer: SSEWriter | None = None
+    try:
+        async with FanOut(engine, reqs) as fan:  # entered first: it aborts on any exit
+            writer = await SSEWriter.open(request)
+            await _send(writer, answer.opening())
+            async for i, out in fan:
+                if out.finish_reason is FinishReason.ABORT:
+                    await writer.send(_aborted_body(request, answer), answer.error_event)
+                    break
+                await _send(writer, answer.events(i, out))
+            else:
+                await _send(writer, answer.closing())
+        if answer.done_marker is not None:
+            await writer.send_raw(answer.done_marker)
+        await writer.close()
+    except ConnectionResetError:
+        log.info("client_disconnected", id=api_id)
+    if writer is None:
+        raise ConnectionResetError("the client went away before the stream opened")
+    return writer.response
+
+
+async def _send(writer: SSEWriter, events: list[Event]) -> None:
+    for data, name in events:
+        if isinstance(data, str):
+            await writer.send_raw(data, name)
+        else:
+            await writer.send(data, name)
+
+
+def _aborted_body(request: web.Request, answer: Answer) -> dict:
+    """The error event of an aborted stream, in the protocol's shape."""
+    err = unavailable(answer.aborted_message)
+    if is_anthropic(request):
+        return anthropic_error_body(err.status, err.message)
+    return err.body()
