@@ -93,9 +93,9 @@ def test_the_key_itself_is_served(guarded) -> None:
 LOG_A_TRACEBACK = """
 import logging, sys
 import structlog
-from daemon.service import logs as logging_setup
-logging_setup.setup_logging("info", sys.argv[1], None)
-logging_setup.add_secret(sys.argv[2])
+from daemon.service import logs
+logs.setup_logging("info", sys.argv[1], None)
+logs.add_secret(sys.argv[2])
 
 def check(api_key):
     raise ValueError("bad key " + api_key)

@@ -12,8 +12,6 @@ class PagedManager:
     """Paged kinds (full attention, compressed KV): a block per `block_size` positions, the
     pool split from what per-request state leaves; full blocks are shared by the prefix cache."""
 
-    paged = True
-
     def __init__(self, spec: KVSpec) -> None:
         self.spec = spec
 
@@ -27,8 +25,6 @@ class PagedManager:
 
 class PerRequestManager:
     """Per-request state (compressor buffers): one block per running request, any length."""
-
-    paged = False
 
     def __init__(self, spec: KVSpec) -> None:
         self.spec = spec

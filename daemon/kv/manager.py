@@ -24,19 +24,23 @@ class KVUsage:
 
 
 def pool_sizes(groups: list[KVGroup], memory_bytes: int, max_num_seqs: int = 1) -> list[int]:
-    """Blocks of each group's pool within `memory_bytes`. Per-request state gets one block per
+    """Blocks of each group's pool within `memory_bytes` (see `_pool_sizes`)."""
+    return _pool_sizes([manager_for(g.spec) for g in groups], memory_bytes, max_num_seqs)
+
+
+def _pool_sizes(kinds: list[KindManager], memory_bytes: int, max_num_seqs: int) -> list[int]:
+    """Blocks of each kind's pool within `memory_bytes`. Per-request state gets one block per
     possible running request; what is left goes to paged groups, each with blocks for the same
     number of token positions, so the rest is split in proportion to their bytes per token."""
-    if not groups:
+    if not kinds:
         raise ValueError("a model needs at least one KV group")
-    kinds = [manager_for(g.spec) for g in groups]
     budget = memory_bytes
-    fixed = [g for g, k in zip(groups, kinds) if not k.paged]
-    paged = [g for g, k in zip(groups, kinds) if k.paged]
-    memory_bytes -= sum(g.spec.bytes_per_block * max_num_seqs for g in fixed)
-    bytes_per_token = sum(g.spec.bytes_per_block / g.spec.block_size for g in paged)
+    fixed = [k.spec for k in kinds if k.spec.per_request]
+    paged = [k.spec for k in kinds if not k.spec.per_request]
+    memory_bytes -= sum(s.bytes_per_block * max_num_seqs for s in fixed)
+    bytes_per_token = sum(s.bytes_per_block / s.block_size for s in paged)
     capacity_tokens = int(max(memory_bytes, 0) // bytes_per_token) if paged else 0
-    block_tokens = max((g.spec.block_size for g in paged), default=0)
+    block_tokens = max((s.block_size for s in paged), default=0)
     if capacity_tokens < block_tokens:
         raise KVBudgetTooSmall(
             f"{budget / 2**20:.1f} MiB of KV memory hold no block: the state of "
@@ -56,12 +60,12 @@ class KVManager:
         on_evict: EvictionListener | None = None,
     ) -> None:
         """`on_evict`: the prefix cache's demotion, told before a cached block is reused."""
-        sizes = pool_sizes(groups, memory_bytes, max_num_seqs)
         self.groups = groups
         self.kinds: list[KindManager] = [manager_for(g.spec) for g in groups]
+        sizes = _pool_sizes(self.kinds, memory_bytes, max_num_seqs)
         self.tables: dict[str, list[list[int]]] = {}
         # prefix cache: key of a full block -> its block in every paged group
-        self.paged = [i for i, k in enumerate(self.kinds) if k.paged]
+        self.paged = [i for i, g in enumerate(groups) if not g.spec.per_request]
         self.prefix_block = groups[self.paged[0]].spec.block_size if self.paged else 0
         # the sliding-window group the prefix cache snapshots, if the model has one
         self.swa_group = next(
@@ -71,8 +75,8 @@ class KVManager:
         self._key_of: list[dict[int, bytes]] = [{} for _ in groups]
         self._on_evict = on_evict
         self.pools = [
-            BlockPool(n, (lambda block, i=i: self._forget(i, block)) if k.paged else None)
-            for i, (n, k) in enumerate(zip(sizes, self.kinds))
+            BlockPool(n, (lambda block, i=i: self._forget(i, block)) if i in self.paged else None)
+            for i, n in enumerate(sizes)
         ]
 
     @property
@@ -93,7 +97,7 @@ class KVManager:
 
     def bytes_per_request(self) -> int:
         """Fixed state bytes each running request holds whatever its length."""
-        return sum(g.spec.bytes_per_block for g, k in zip(self.groups, self.kinds) if not k.paged)
+        return sum(g.spec.bytes_per_block for g in self.groups if g.spec.per_request)
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         return self.tables[request_id]

@@ -4,11 +4,12 @@ request keeps), and the Protocol of what else the cache reads from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from daemon.kv.tier_ops import RestoreOp
+    from daemon.kv.tier_ops import RestoreOp
 
 
 @dataclass

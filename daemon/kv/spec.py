@@ -1,15 +1,11 @@
 """Per-layer KV specs, one class per kind: what one block of a layer group holds, and whether a
-request holds one block per `block_size` tokens (paged) or one block whatever its length.
-
-A model declares its layers as groups that share a spec; the manager gives each group its
-own pool, block tables and kind manager (kv/kinds.py), so a hybrid model adds a spec class,
-not a manager.
-"""
+request holds one block per `block_size` tokens (paged) or one block whatever its length."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -17,6 +13,10 @@ import torch
 @dataclass(frozen=True)
 class KVSpec(ABC):
     """Base spec: `block_size` token positions per block, for `num_layers` layers."""
+
+    # True for fixed-size per-request state (one block each, whatever the length); the kind
+    # managers, the runner and the benches all read it here
+    per_request: ClassVar[bool] = False
 
     block_size: int
     num_layers: int
@@ -31,20 +31,10 @@ class KVSpec(ABC):
     def name(self) -> str:
         """The kind's label (the model's cache and /metrics' `kind` find a group by it)."""
 
-    @property
-    def per_request(self) -> bool:
-        """True for fixed-size per-request state (one block each, whatever the length)."""
-        return isinstance(self, PerRequestSpec)
-
 
 @dataclass(frozen=True)
-class PagedSpec(KVSpec, ABC):
-    """One block per `block_size` positions; full blocks can be shared through the prefix cache."""
-
-
-@dataclass(frozen=True)
-class PerRequestSpec(KVSpec, ABC):
-    """One block per running request, whatever its length, sized in bytes by the model."""
+class SizedBlocks:
+    """A spec whose model gives the block size in bytes and the kind's label (`name`)."""
 
     label: str
     block_bytes: int
@@ -56,6 +46,18 @@ class PerRequestSpec(KVSpec, ABC):
     @property
     def name(self) -> str:
         return self.label
+
+
+@dataclass(frozen=True)
+class PagedSpec(KVSpec, ABC):
+    """One block per `block_size` positions; full blocks can be shared through the prefix cache."""
+
+
+@dataclass(frozen=True)
+class PerRequestSpec(SizedBlocks, KVSpec, ABC):
+    """One block per running request, whatever its length, sized in bytes by the model."""
+
+    per_request: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -76,20 +78,9 @@ class FullAttentionSpec(PagedSpec):
 
 
 @dataclass(frozen=True)
-class CompressedKVSpec(PagedSpec):
+class CompressedKVSpec(SizedBlocks, PagedSpec):
     """Paged compressed entries (DeepSeek-V4's CSA and HCA): `block_bytes` per block of
     `block_size` positions, whatever the compression inside."""
-
-    label: str
-    block_bytes: int
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.block_bytes
-
-    @property
-    def name(self) -> str:
-        return self.label
 
 
 @dataclass(frozen=True)
@@ -105,7 +96,9 @@ class CompressorStateSpec(PerRequestSpec):
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers that share one spec, one pool and one block table per request."""
+    """Layers that share one spec, one pool and one block table per request. A model declares
+    its layers as such groups; the KV manager gives each its own pool, block tables and kind
+    manager (kv/kinds.py), so a hybrid model adds a spec class, not a manager."""
 
     spec: KVSpec
     layer_ids: tuple[int, ...]

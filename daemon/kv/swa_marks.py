@@ -1,6 +1,5 @@
 """Where a request's sliding window is snapshotted: block boundaries, chosen at admission and
-taken as the request computes past them (the ring keeps W-1+B positions, so a boundary up to
-one block behind is still there)."""
+taken as the request computes past them."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ def snapshot_marks(known: int, computed: int, resume: int, missed_at: int, block
 
 def chunk_limit(marks: list[int], computed: int, n: int, block: int) -> int:
     """At most `n` tokens for the next chunk, ending where the ring still holds the window
-    before the next mark (one block past it)."""
-    if not marks:
-        return n
+    before the next mark: one block past it (the ring keeps W-1+B positions, so a boundary up
+    to one block behind is still there)."""
     after = [m for m in marks if m > computed]
     return min(n, after[0] + block - computed) if after else n
 

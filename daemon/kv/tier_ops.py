@@ -1,6 +1,5 @@
-"""The ops the device worker runs before a step's forward, in order: device->host copies (of
-computed blocks worth persisting, and of cached blocks about to be overwritten), host->device
-loads, then sliding-window saves and restores; and the queue they are gathered in."""
+"""The tier ops the device worker runs before a step's forward (CacheOps), and the queue that
+gathers them (TierQueue)."""
 
 from __future__ import annotations
 
@@ -47,6 +46,10 @@ class BlockLoad:
 
 @dataclass
 class CacheOps:
+    """One run's ops, in the order the worker runs them: device->host copies (of computed
+    blocks worth persisting, and of cached blocks about to be overwritten), host->device loads,
+    then sliding-window saves; the step's restores (RestoreOp, with its sequences) follow."""
+
     block_saves: list[BlockSave] = field(default_factory=list)
     block_loads: list[BlockLoad] = field(default_factory=list)
     swa_saves: list[SWASave] = field(default_factory=list)

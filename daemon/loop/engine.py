@@ -200,7 +200,6 @@ class Engine:
             raise RequestRejected(f"request id {req.request_id!r} is already in use", "request_id")
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token has none
-        req.outputs = asyncio.Queue()
         self.requests[req.request_id] = req
         self.outputs.add(req)
         prefix = self.prefix
@@ -244,10 +243,10 @@ class Engine:
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; closing the iterator early aborts the request."""
-        assert req.outputs is not None
+        outputs = self.outputs.queue(req)
         try:
             while True:
-                out = await req.outputs.get()
+                out = await outputs.get()
                 yield out
                 if out.finished:
                     return
@@ -271,19 +270,7 @@ class Engine:
         if req is not None and not req.finished:
             log.info("request_aborted", request_id=request_id, output_tokens=len(req.output_ids))
             self._finish(req, FinishReason.ABORT)
-            if req.outputs is not None:
-                req.outputs.put_nowait(
-                    RequestOutput(
-                        req.request_id,
-                        [],
-                        "",
-                        None,
-                        True,
-                        FinishReason.ABORT,
-                        num_prompt_tokens=req.num_prompt_tokens,
-                        num_output_tokens=len(req.output_ids),
-                    )
-                )
+            self.outputs.emit_abort(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)

@@ -2,24 +2,47 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
 from daemon.loop.detokenizer import IncrementalDetokenizer
 from daemon.loop.request import FinishReason, Request, RequestOutput, TokenLogprob
 from daemon.models.tokenizer import TextTokenizer
 
 
+@dataclass
+class _Live:
+    """An unfinished request's detokenizer and output queue."""
+
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue[RequestOutput]
+
+
 class OutputProcessor:
+    """Owns each request's output queue: found by request id while the request runs, and by
+    the Request for as long as it lives (a stream may start after it finished)."""
+
     def __init__(self, tokenizer: TextTokenizer | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._live: dict[str, _Live] = {}
+        self._queues: WeakKeyDictionary[Request, asyncio.Queue[RequestOutput]] = WeakKeyDictionary()
 
     def add(self, req: Request) -> None:
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.include_stop_str_in_output
         )
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._live[req.request_id] = _Live(detok, queue)
+        self._queues[req] = queue
 
     def remove(self, req: Request) -> None:
-        self.detokenizers.pop(req.request_id, None)
+        self._live.pop(req.request_id, None)
+
+    def queue(self, req: Request) -> asyncio.Queue[RequestOutput]:
+        """The request's outputs, its last one `finished`."""
+        return self._queues[req]
 
     def append_token(
         self, req: Request, token: int, logprob: TokenLogprob | None
@@ -29,8 +52,7 @@ class OutputProcessor:
         if logprob is not None:
             req.output_logprobs.append(logprob)
         p = req.params
-        detok = self.detokenizers[req.request_id]
-        stop_str = detok.add(token)
+        stop_str = self._live[req.request_id].detok.add(token)
         if not p.ignore_eos and token in req.eos_token_ids:
             return FinishReason.STOP
         if token in p.stop_token_ids:
@@ -50,8 +72,8 @@ class OutputProcessor:
         new_logprobs: list[TokenLogprob],
         finish: FinishReason | None,
     ) -> None:
-        detok = self.detokenizers[req.request_id]
-        text = detok.take(final=finish is not None)
+        live = self._live[req.request_id]
+        text = live.detok.take(final=finish is not None)
         out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -68,5 +90,19 @@ class OutputProcessor:
             if req.params.prompt_logprobs is not None and len(req.output_ids) == len(new_ids)
             else None,
         )
-        if req.outputs is not None:
-            req.outputs.put_nowait(out)
+        live.queue.put_nowait(out)
+
+    def emit_abort(self, req: Request) -> None:
+        """The aborted request's last output (it may have finished running already)."""
+        self._queues[req].put_nowait(
+            RequestOutput(
+                req.request_id,
+                [],
+                "",
+                None,
+                True,
+                FinishReason.ABORT,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_output_tokens=len(req.output_ids),
+            )
+        )

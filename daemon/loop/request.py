@@ -1,8 +1,7 @@
-"""A generation request, its sampling parameters and what it streams back."""
+"""A generation request, its sampling parameters and the outputs it streams back."""
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
@@ -138,7 +137,6 @@ class Request:
     slot: int = -1  # row in the runner's per-request device state while running
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    outputs: asyncio.Queue[RequestOutput] | None = None
     prefix: PrefixState = field(default_factory=PrefixState)
     cache: CacheUse = field(default_factory=CacheUse)
     stats: RequestStats = field(default_factory=RequestStats)

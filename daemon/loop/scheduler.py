@@ -47,7 +47,9 @@ class StoreRead:
 @dataclass
 class SchedulerStep:
     """What to run this step (`seqs` empty: nothing, only reads to start) and the block-store
-    reads to start for requests taken out of the waiting queue (LOADING)."""
+    reads to start for requests taken out of the waiting queue. The caller must start every
+    read in `store_reads`: those requests are LOADING, in neither queue, until the read's end
+    adds them back (`Scheduler.add`)."""
 
     seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
     store_reads: Sequence[StoreRead] = ()
@@ -73,7 +75,6 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self._reads: list[StoreRead] = []  # this step's, handed out with it
 
     @property
     def has_work(self) -> bool:
@@ -115,18 +116,18 @@ class Scheduler:
             budget -= n
 
         # Admitting new work right after a preemption would only thrash.
+        reads: list[StoreRead] = []
         if not preempted:
-            budget = self._admit(budget, scheduled)
+            budget = self._admit(budget, scheduled, reads)
 
-        reads = self._reads
-        if reads:
-            self._reads = []
         if not scheduled:
             return SchedulerStep([], reads) if reads else None
         scheduled.sort(key=lambda s: not s.is_decode)
-        return SchedulerStep(scheduled, reads) if reads else SchedulerStep(scheduled)
+        return SchedulerStep(scheduled, reads)
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq], reads: list[StoreRead]) -> int:
+        """Admit waiting requests within `budget` into `scheduled`; those whose prefix must
+        first be read from the block store go LOADING, their reads into `reads`."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
@@ -138,7 +139,7 @@ class Scheduler:
                 if fetch:
                     self.waiting.pop(i)
                     req.status = RequestStatus.LOADING
-                    self._reads.append(StoreRead(req, fetch))
+                    reads.append(StoreRead(req, fetch))
                     continue
             n = min(self._tokens_to_compute(req), budget)
             if not self.kv.grow(req.request_id, req.num_computed + n):
