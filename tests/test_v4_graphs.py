@@ -15,6 +15,7 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.kv.spec import KVGroup
+from daemon.loop import runner as runner_module
 from daemon.loop.request import SamplingParams
 from daemon.models.base import SeqSlice
 from daemon.models.deepseek_v4.batch import DecodeShape
@@ -27,7 +28,7 @@ from daemon.models.deepseek_v4.graphs import (
     V4StaticInputs,
     position_buckets,
 )
-from daemon.models.deepseek_v4.kv import kv_groups
+from daemon.models.deepseek_v4.kv import V4Groups, kv_groups
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from tests.checkpoints import V4_TINY, make_v4_checkpoint
 
@@ -45,23 +46,32 @@ def test_position_buckets_are_whole_blocks() -> None:
     assert position_buckets(8, 64) == [8, 16, 32, 64]
 
 
-def _cache(num_blocks: int = 6) -> tuple[V4Config, V4Cache, list[KVGroup]]:
+def _cache(
+    num_blocks: int = 6, decode_shape: V4Buckets | None = None
+) -> tuple[V4Config, V4Cache, list[KVGroup]]:
     from transformers import DeepseekV4Config
 
     cfg = V4Config.from_hf(DeepseekV4Config(**V4_TINY).to_dict())
     groups = kv_groups(cfg, torch.float32)
-    return cfg, V4Cache(cfg, groups, [num_blocks] * len(groups), torch.device("cpu")), groups
+    cache = V4Cache(cfg, groups, [num_blocks] * len(groups), torch.device("cpu"), decode_shape)
+    return cfg, cache, groups
 
 
 def test_padded_decodes_write_idle_rows_to_scratch() -> None:
-    cfg, cache, groups = _cache()
-    names = [g.spec.name for g in groups]
+    cfg, cache, groups = _cache(decode_shape=V4Buckets(batches=[1, 4], positions=[8, 16, 32]))
+    g = V4Groups.of(cfg, groups)
     # two requests at positions 11 (closes a CSA window: 12 % 4 == 0) and 14 (closes none)
-    tables = {"swa": [[1], [2]], "state": [[0], [3]], CSA: [[4, 5], [1, 2]], HCA: [[2, 3], [0, 5]]}
+    by_group = {
+        g.swa: [[1], [2]],
+        g.state: [[0], [3]],
+        g.csa: [[4, 5], [1, 2]],
+        g.hca: [[2, 3], [0, 5]],
+    }
+    csa_tables = by_group[g.csa]
     seqs = [
-        SeqSlice(i, pos, 1, [tables[n][i] for n in names], True) for i, pos in enumerate((11, 14))
+        SeqSlice(i, pos, 1, [by_group[k][i] for k in range(len(groups))], True)
+        for i, pos in enumerate((11, 14))
     ]
-    cache.decode_shape = V4Buckets(batches=[1, 4], positions=[8, 16, 32])
     batch = cache.build_attention(seqs)
     shape = DecodeShape(batch=4, positions=16)
     d = batch.decodes
@@ -76,14 +86,13 @@ def test_padded_decodes_write_idle_rows_to_scratch() -> None:
     scratch_row = cache.scratch_block[CSA] * per_block
     assert csa.closed_rows.tolist() == [4 * per_block + 2] + [scratch_row] * 3
     # entries by block: request 0's blocks for the 16 // 4 entry slots, then its entry rows
-    assert csa.table.blocks[0].tolist() == tables[CSA][0][: -(-4 // per_block)]
-    rows = [tables[CSA][0][i // per_block] * per_block + i % per_block for i in range(3)]
+    assert csa.table.blocks[0].tolist() == csa_tables[0][: -(-4 // per_block)]
+    rows = [csa_tables[0][i // per_block] * per_block + i % per_block for i in range(3)]
     assert csa.table.rows(torch.arange(3).expand(4, 3))[0].tolist() == rows
     hca = d.entries[HCA]
     assert hca.counts.tolist() == [1, 1, 0, 0] and not hca.closing_mask.any()
     # the pool's block views leave the scratch rows out
-    csa_group = names.index(CSA)
-    assert all(v.shape[0] == 6 for v in cache.block_views(csa_group))
+    assert all(v.shape[0] == 6 for v in cache.block_views(g.csa))
     assert cache.layers[cfg.layers_of(CSA)[0]].entries.shape[0] == 7
 
 
@@ -120,8 +129,21 @@ class EagerRecording(V4DecodeGraphs):
         return (lambda: hidden.copy_(forward())), hidden
 
 
-async def _run(checkpoint: Path, device: str, graphs: type[V4DecodeGraphs] | None) -> tuple:
+async def _run(
+    checkpoint: Path,
+    device: str,
+    graphs: type[V4DecodeGraphs] | None,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+) -> tuple:
     """(batched outputs, each prompt again alone, the shapes captured, MoE load per layer)."""
+    if graphs is not None and device == "cpu":
+        assert monkeypatch is not None  # the runner makes `graphs` on the CPU too
+        monkeypatch.setattr(runner_module, "GRAPH_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(
+            DeepseekV4ForCausalLM,
+            "decode_graphs",
+            lambda model, cache, device, max_batch: graphs(model, cache, device),
+        )
     engine, _ = build_engine(
         EngineConfig(
             model=str(checkpoint),
@@ -133,8 +155,6 @@ async def _run(checkpoint: Path, device: str, graphs: type[V4DecodeGraphs] | Non
         )
     )
     runner = engine.runner
-    if graphs is not None and device == "cpu":
-        runner.graphs = graphs(runner.model, runner.cache, runner.device, 8)
     layers = [m for m in runner.model.modules() if isinstance(m, MoE)]
     for layer in layers:
         layer.track_load = True
@@ -154,11 +174,13 @@ async def _run(checkpoint: Path, device: str, graphs: type[V4DecodeGraphs] | Non
     return batched, alone, sorted(runner.graphs.graphs, key=str) if runner.graphs else [], loads
 
 
-async def test_static_buffers_give_the_eager_tokens(checkpoint: Path) -> None:
+async def test_static_buffers_give_the_eager_tokens(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batches shrink and grow across shapes, reusing buffers that larger batches filled; the
     idle rows must neither disturb real rows, nor write into the pool, nor count as expert load."""
     eager = await _run(checkpoint, "cpu", None)
-    staged = await _run(checkpoint, "cpu", EagerRecording)
+    staged = await _run(checkpoint, "cpu", EagerRecording, monkeypatch)
     assert staged[0] == eager[0] and staged[1] == eager[1]
     assert staged[3] == eager[3]
     shapes = staged[2]

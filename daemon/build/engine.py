@@ -61,6 +61,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
     overlap = resolve_overlap(cfg, device, cpu_threads)
+    # before the runner: it takes the listener, and EP drops others' experts before the KV cache
     moe = moe_controller(cfg, model, device)
     runner = ModelRunner(
         model,

@@ -1,6 +1,5 @@
 """Wire a MoE model's layers to load statistics and, with `ep_size` > 1, to an expert-parallel
-group of daemon processes (gloo on CPU, NCCL on CUDA, HCCL on Ascend). The controller is made
-before the runner (which reports each forward to it), the lockstep executor after."""
+group of daemon processes (gloo on CPU, NCCL on CUDA, HCCL on Ascend)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ def moe_controller(
     cfg: EngineConfig, model: nn.Module, device: torch.device
 ) -> MoEController | None:
     """The MoE controller of the model's MoE layers (None for a dense model); under expert
-    parallelism, after joining the group (each rank then keeps only its experts' slots)."""
+    parallelism, after joining the group (each rank then keeps only its experts' slots).
+    Made before the runner, which reports each forward to it (`forward_listener`)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         if cfg.ep_size > 1:
@@ -57,7 +57,8 @@ def forward_listener(controller: MoEController | None) -> Callable[[], None] | N
 def lockstep_executor(
     controller: MoEController | None, model: nn.Module, runner: ModelRunner
 ) -> Executor | None:
-    """Under expert parallelism, the lockstep device worker the engine must use; else None."""
+    """Under expert parallelism, the lockstep device worker the engine must use (it runs
+    `runner.execute` on every rank at once); else None."""
     if controller is None or controller.ep is None:
         return None
     ep = controller.ep

@@ -16,9 +16,9 @@ import torch
 
 from daemon.kv.block_copy import BlockCopier
 from daemon.kv.manager import KVManager
-from daemon.kv.spec import KVGroup
+from daemon.kv.spec import KVGroup, SlidingWindowSpec
 from daemon.kv.tier_ops import CacheOps, RestoreOp
-from daemon.loop.constraint import GrammarConstraint, allocate_bitmask, apply_bitmask
+from daemon.loop.constraint import Constraint, allocate_bitmask, apply_bitmask
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -42,6 +42,7 @@ from daemon.models.base import (
 )
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows of full-vocabulary logits held at once
+GRAPH_DEVICES = ("cuda",)  # device types whose decode steps replay captured graphs
 
 
 @dataclass
@@ -103,7 +104,16 @@ class ModelRunner:
         statistics)."""
         self.model = model
         self.device = device
-        self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device)
+        # decode steps by graph replay; the cache pads them to the graphs' shapes
+        graph_batch = max_num_seqs if cuda_graphs and device.type in GRAPH_DEVICES else 0
+        self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device, graph_batch)
+        # the same cache where the model has a sliding window: only then does the prefix cache
+        # make window saves and restores
+        self.window: SlidingWindowCache | None = (
+            cast(SlidingWindowCache, self.cache)
+            if any(isinstance(g.spec, SlidingWindowSpec) for g in kv_groups)
+            else None
+        )
         paged = [i for i, g in enumerate(kv_groups) if not g.spec.per_request]
         self.copier = BlockCopier([self.cache.block_views(i) for i in paged]) if paged else None
         self.vocab_size = model.vocab_size
@@ -120,11 +130,8 @@ class ModelRunner:
         # launch returns before the device is done
         self.signals_launch = self.stream is not None
         self.after_forward = after_forward
-        # decode steps by graph replay, on CUDA
         self.graphs: DecodeGraphs | None = (
-            model.decode_graphs(self.cache, device, max_num_seqs)
-            if cuda_graphs and device.type == "cuda"
-            else None
+            model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
         )
 
     # ---- host side (event loop thread) ---------------------------------------------------
@@ -143,7 +150,7 @@ class ModelRunner:
         penalty_rows: list[int] = []
         penalty_slots: list[int] = []
         restores: list[tuple[RestoreOp, list[list[int]]]] = []
-        constrained: list[tuple[int, GrammarConstraint]] = []
+        constrained: list[tuple[int, Constraint]] = []
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
@@ -256,9 +263,11 @@ class ModelRunner:
                 [load.blocks for load in ops.block_loads],
                 [load.entry.payload for load in ops.block_loads],
             )
-        for save in ops.swa_saves:
-            window = cast(SlidingWindowCache, self.cache)
-            save.snapshot.tensor = window.save_swa(save.swa_block, save.position)
+        if ops.swa_saves:
+            window = self.window
+            assert window is not None
+            for save in ops.swa_saves:
+                save.snapshot.tensor = window.save_swa(save.swa_block, save.position)
 
     @torch.inference_mode()
     def execute(self, step: PreparedStep, launched: Callable[[], None] | None = None) -> StepResult:
@@ -289,8 +298,11 @@ class ModelRunner:
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         self.run_cache_ops(step.cache_ops)
-        for restore, tables in step.restores:  # as swa_saves, only for a sliding-window model
-            cast(SlidingWindowCache, self.cache).restore(restore, tables)
+        if step.restores:  # as swa_saves, only for a sliding-window model
+            window = self.window
+            assert window is not None
+            for restore, tables in step.restores:
+                window.restore(restore, tables)
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():
             rows = step.placeholder_rows.to(dev, non_blocking=True)

@@ -150,15 +150,22 @@ class Model(Protocol):
         ...
 
     def allocate_cache(
-        self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+        self,
+        groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        graph_batch: int = 0,
     ) -> ModelCache:
-        """Storage for `num_blocks[i]` blocks of each group of `kv_groups`."""
+        """Storage for `num_blocks[i]` blocks of each group of `kv_groups`. `graph_batch`: the
+        `max_batch` of the decode graphs to be made over it (0: none), for a cache that pads
+        decode steps to the graphs' shapes."""
         ...
 
     def decode_graphs(
         self, cache: ModelCache, device: torch.device, max_batch: int
     ) -> DecodeGraphs | None:
-        """Decode graphs over `cache` for up to `max_batch` sequences; None: the model has none."""
+        """Decode graphs over `cache` (built with `graph_batch` = `max_batch`) for up to
+        `max_batch` sequences; None: the model has none."""
         ...
 
     def __call__(

@@ -175,7 +175,11 @@ class DenseForCausalLM(nn.Module):
         return [KVGroup(spec, tuple(range(self.cfg.num_layers)))]
 
     def allocate_cache(
-        self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+        self,
+        groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        graph_batch: int = 0,
     ) -> PagedKVCache:
         return PagedKVCache(groups[0].spec, num_blocks[0], device)
 

@@ -1,19 +1,12 @@
-"""CUDA graphs for decode-only steps: one captured forward per bucket of shapes, replayed after
-the step's inputs are copied into its static buffers. The bucket helpers and the capture are
-shared; `PagedDecodeGraphs` serves the paged-attention (dense) models with (batch, KV width)
-buckets. DeepSeek-V4's are in `deepseek_v4/graphs.py`.
-
-A small model's eager forward is bound by kernel launches from Python, which also hold the GIL
-the event loop needs; a replay is one launch, so the device works while the loop schedules.
-Padded rows write their KV (V4: all their state) to scratch rows that no block table references.
-"""
+"""CUDA graphs for decode-only steps: the bucket helpers and the capture, shared; the
+paged-attention (dense) models' graphs. DeepSeek-V4's are in `deepseek_v4/graphs.py`."""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -55,26 +48,36 @@ class GraphInputs(Protocol):
         ...
 
 
+Inputs = TypeVar("Inputs", bound=GraphInputs)
+Cache = TypeVar("Cache")
+
+
 @dataclass
-class Captured:
+class Captured(Generic[Inputs]):
     replay: Callable[[], None]
-    inputs: Any  # the GraphInputs it was captured on
+    inputs: Inputs  # the static buffers it was captured on
     hidden: torch.Tensor  # the forward's output [B, ...]: valid until the next replay
 
 
-class CapturedGraphs:
-    """Graphs captured lazily, on the first step of each key; call from the device thread."""
+class CapturedGraphs(Generic[Inputs, Cache]):
+    """Graphs over one cache, captured lazily on the first step of each key, each on its own
+    static `Inputs`; call from the device thread.
 
-    def __init__(self, model: nn.Module, cache: Any, device: torch.device) -> None:
+    A small model's eager forward is bound by kernel launches from Python, which also hold the
+    GIL the event loop needs; a replay is one launch, so the device works while the loop
+    schedules. Padded rows write their KV (V4: all their state) to scratch rows that no block
+    table references."""
+
+    def __init__(self, model: nn.Module, cache: Cache, device: torch.device) -> None:
         self.model, self.cache, self.device = model, cache, device
-        self.graphs: dict[Hashable, Captured] = {}
+        self.graphs: dict[Hashable, Captured[Inputs]] = {}
         self.pool: tuple[int, int] | None = None
 
     def _replay(
         self,
         key: Hashable,
-        allocate: Callable[[], GraphInputs],
-        fill: Callable[[Any], None],
+        allocate: Callable[[], Inputs],
+        fill: Callable[[Inputs], None],
         rows: int,
     ) -> torch.Tensor:
         """Replay the graph of `key` (captured first on `allocate()`'s buffers) after `fill`
@@ -155,7 +158,7 @@ class StaticInputs:
         self.mask[n:, ..., 0] = True
 
 
-class PagedDecodeGraphs(CapturedGraphs):
+class PagedDecodeGraphs(CapturedGraphs[StaticInputs, PagedKVCache]):
     """Paged-attention decode graphs, keyed by (batch, KV width in blocks) buckets."""
 
     def __init__(

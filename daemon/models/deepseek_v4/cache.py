@@ -19,7 +19,7 @@ from daemon.models.deepseek_v4.batch import (
     V4SeqMeta,
 )
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
-from daemon.models.deepseek_v4.kv import STATE, SWA, CompressorState, ring_size
+from daemon.models.deepseek_v4.kv import CompressorState, V4Groups, ring_size
 from daemon.models.kv_transfer import export_blocks, import_blocks
 
 
@@ -29,22 +29,28 @@ class V4Cache:
     (open-window buffers, CSA overlap); its paged blocks hold the compressed entries."""
 
     def __init__(
-        self, cfg: V4Config, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+        self,
+        cfg: V4Config,
+        groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        decode_shape: Callable[[int, int], DecodeShape | None] | None = None,
     ) -> None:
-        by_name = {g.spec.name: (g, n) for g, n in zip(groups, num_blocks)}
-        dtype = by_name[SWA][0].spec.dtype
+        """`decode_shape` (with decode graphs): (decodes, context) -> the shape a decode-only
+        step of that many requests, all positions below context, is padded to; None where
+        none fits."""
+        g = self.groups = V4Groups.of(cfg, groups)
+        self.kinds = g.paged  # the paged groups, by layer kind
+        dtype = groups[g.swa].spec.dtype
         self.cfg = cfg
-        self.group_index = {g.spec.name: i for i, g in enumerate(groups)}
         self.ring = ring_size(cfg)
         # compressed entries per paged block, by kind
         self.per_block = {k: cfg.block_tokens // r for k, r in cfg.compress_rates.items()}
         # the scratch rows: one past each pool
-        self.scratch_swa = by_name[SWA][1]
-        self.scratch_state = by_name[STATE][1] if STATE in by_name else 0
-        self.scratch_block = {kind: by_name[kind][1] for kind in (CSA, HCA) if kind in by_name}
-        # set by the decode graphs: (decodes, context) -> the shape a decode-only step of that
-        # many requests, all positions below context, is padded to; None where none fits
-        self.decode_shape: Callable[[int, int], DecodeShape | None] | None = None
+        self.scratch_swa = num_blocks[g.swa]
+        self.scratch_state = num_blocks[g.state] if g.state is not None else 0
+        self.scratch_block = {kind: num_blocks[i] for kind, i in self.kinds.items()}
+        self.decode_shape = decode_shape
         self.swa = [
             torch.zeros(self.scratch_swa + 1, self.ring, cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_layers)
@@ -70,19 +76,19 @@ class V4Cache:
             return s
 
         for layer in cfg.layers_of(CSA):
-            n_csa = by_name[CSA][1]
+            n_csa = self.scratch_block[CSA]
             self.layers[layer] = state(cfg.csa_rate, 2 * hd, hd, n_csa, True)
             self.indexers[layer] = state(cfg.csa_rate, 2 * ihd, ihd, n_csa, True)
         for layer in cfg.layers_of(HCA):
-            self.layers[layer] = state(cfg.hca_rate, hd, hd, by_name[HCA][1], False)
+            self.layers[layer] = state(cfg.hca_rate, hd, hd, self.scratch_block[HCA], False)
 
     def block_views(self, group: int) -> list[torch.Tensor]:
         """The tensors of paged group `group` (csa or hca), indexed by block on dim 0; the
         scratch block is left out."""
-        name = next(n for n, i in self.group_index.items() if i == group)
-        pool = self.scratch_block[name]
+        kind = next(k for k, i in self.kinds.items() if i == group)
+        pool = self.scratch_block[kind]
         views: list[torch.Tensor] = []
-        for layer in self.cfg.layers_of(CSA if name == CSA else HCA):
+        for layer in self.cfg.layers_of(kind):
             for st in (self.layers[layer], self.indexers.get(layer)):
                 if st is None:
                     continue
@@ -92,7 +98,7 @@ class V4Cache:
         return views
 
     def build_attention(self, seqs) -> V4Batch:
-        gi = self.group_index
+        g = self.groups
         batch = V4Batch()
         for s in seqs:
             tables = s.block_tables
@@ -100,30 +106,29 @@ class V4Cache:
                 q_start=s.q_start,
                 start=s.start,
                 num_tokens=s.num_tokens,
-                swa_block=tables[gi[SWA]][0],
-                state_block=tables[gi[STATE]][0] if STATE in gi else -1,
-                csa_table=tables[gi[CSA]] if CSA in gi else [],
-                hca_table=tables[gi[HCA]] if HCA in gi else [],
+                swa_block=tables[g.swa][0],
+                state_block=tables[g.state][0] if g.state is not None else -1,
+                csa_table=tables[g.csa] if g.csa is not None else [],
+                hca_table=tables[g.hca] if g.hca is not None else [],
                 replay=s.replay,
                 window_floor=s.window_floor,
                 fresh=s.start == 0 and not s.replay,
             )
             batch.seqs.append(meta)
         fresh = [s.state_block for s in batch.seqs if s.fresh]
-        if fresh and STATE in gi:
+        if fresh and g.state is not None:
             batch.fresh_states = torch.tensor(fresh, dtype=torch.long)
         chunks = batch.chunks
         if chunks:
-            kinds = {k: n for k, n in self.per_block.items() if k in gi}
+            kinds = {k: n for k, n in self.per_block.items() if k in self.kinds}
             batch.queries = ChunkQueries.build(chunks, self.cfg, self.ring, kinds)
         fed = [s for s in chunks if not s.replay]
         if fed:
-            for kind in (CSA, HCA):
-                if kind in gi:
-                    tables = [s.csa_table if kind == CSA else s.hca_table for s in fed]
-                    batch.compression[kind] = ChunkWindows.build(
-                        fed, tables, self.cfg.compress_rates[kind], self.per_block[kind]
-                    )
+            for kind in self.kinds:
+                tables = [s.csa_table if kind == CSA else s.hca_table for s in fed]
+                batch.compression[kind] = ChunkWindows.build(
+                    fed, tables, self.cfg.compress_rates[kind], self.per_block[kind]
+                )
         decodes = [s for s in batch.seqs if s.is_decode]
         if decodes:
             # a graph's decodes: none starts a request (its state is reset first, eagerly)
@@ -155,23 +160,22 @@ class V4Cache:
             window_padding=padding if shape is not None or min(positions) < w - 1 else None,
             state_blocks=state_blocks,
         )
-        for kind in (CSA, HCA):
-            if kind in self.group_index:
-                tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
-                rate, per_block = self.cfg.compress_rates[kind], self.per_block[kind]
-                decodes.entries[kind] = (
-                    DecodeEntries.build(tables, positions, state_blocks, rate, per_block)
-                    if shape is None
-                    else DecodeEntries.build_padded(
-                        tables,
-                        positions,
-                        state_blocks,
-                        rate,
-                        per_block,
-                        shape,
-                        self.scratch_block[kind],
-                    )
+        for kind in self.kinds:
+            tables = [s.csa_table if kind == CSA else s.hca_table for s in seqs]
+            rate, per_block = self.cfg.compress_rates[kind], self.per_block[kind]
+            decodes.entries[kind] = (
+                DecodeEntries.build(tables, positions, state_blocks, rate, per_block)
+                if shape is None
+                else DecodeEntries.build_padded(
+                    tables,
+                    positions,
+                    state_blocks,
+                    rate,
+                    per_block,
+                    shape,
+                    self.scratch_block[kind],
                 )
+            )
         return decodes
 
     def idle_decodes(self, shape: DecodeShape) -> V4Decodes:
@@ -210,16 +214,17 @@ class V4Cache:
 
     def restore(self, op, tables: list[list[int]]) -> None:
         """Per-request state at a block boundary: the window (if stored) and the CSA overlap."""
-        swa_block = tables[self.group_index[SWA]][0]
+        g = self.groups
+        swa_block = tables[g.swa][0]
         if op.snapshot is not None:
             idx = self._window_before(op.position)
             snap = op.snapshot.tensor.to(self.swa[0].device)
             for layer, ring in enumerate(self.swa):
                 ring[swa_block, idx] = snap[layer]
-        if STATE not in self.group_index or CSA not in self.group_index:
+        if g.state is None or g.csa is None:
             return
-        state_block = tables[self.group_index[STATE]][0]
-        boundary_block = tables[self.group_index[CSA]][op.position // self.cfg.block_tokens - 1]
+        state_block = tables[g.state][0]
+        boundary_block = tables[g.csa][op.position // self.cfg.block_tokens - 1]
         for layer in self.cfg.layers_of(CSA):
             for st in (self.layers[layer], self.indexers[layer]):
                 st.ovl_kv[state_block] = st.block_ovl_kv[boundary_block]
@@ -229,15 +234,15 @@ class V4Cache:
 
     @property
     def paged_groups(self) -> list[int]:
-        return [self.group_index[kind] for kind in (CSA, HCA) if kind in self.group_index]
+        return list(self.kinds.values())
 
     def _request_state(self, tables: list[list[int]]) -> list[torch.Tensor]:
         """Views of the request's per-request rows: its whole ring in every layer (the window
         and the block behind it that a boundary save reads), then each compressor's state."""
-        swa_block = tables[self.group_index[SWA]][0]
-        views = [ring[swa_block] for ring in self.swa]
-        if STATE in self.group_index:
-            state_block = tables[self.group_index[STATE]][0]
+        g = self.groups
+        views = [ring[tables[g.swa][0]] for ring in self.swa]
+        if g.state is not None:
+            state_block = tables[g.state][0]
             for st in [*self.layers.values(), *self.indexers.values()]:
                 views += [st.buf_kv[state_block], st.buf_gate[state_block]]
                 if st.ovl_kv is not None:

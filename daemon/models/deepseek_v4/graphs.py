@@ -64,22 +64,23 @@ class V4Buckets:
     batches: list[int]
     positions: list[int]
 
+    @classmethod
+    def up_to(cls, max_batch: int, block_tokens: int, max_len: int) -> V4Buckets:
+        return cls(batch_buckets(max_batch), position_buckets(block_tokens, max_len))
+
     def __call__(self, decodes: int, context: int) -> DecodeShape | None:
         batch, positions = bucket(decodes, self.batches), bucket(context, self.positions)
         return None if batch is None or positions is None else DecodeShape(batch, positions)
 
 
-class V4DecodeGraphs(CapturedGraphs):
+class V4DecodeGraphs(CapturedGraphs[V4StaticInputs, V4Cache]):
     """DeepSeek-V4 decode graphs: keyed by the shape the cache padded the step's decodes to
-    (it pads once these graphs give it their buckets)."""
+    (a cache built with the graphs' `V4Buckets` as its decode shapes)."""
 
-    def __init__(
-        self, model: nn.Module, cache: V4Cache, device: torch.device, max_batch: int
-    ) -> None:
+    def __init__(self, model: nn.Module, cache: V4Cache, device: torch.device) -> None:
+        if cache.decode_shape is None:
+            raise ValueError("V4 decode graphs need a cache that pads decodes to their shapes")
         super().__init__(model, cache, device)
-        cache.decode_shape = V4Buckets(
-            batch_buckets(max_batch), position_buckets(cache.cfg.block_tokens, model.max_model_len)
-        )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch

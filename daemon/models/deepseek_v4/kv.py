@@ -1,16 +1,4 @@
-"""DeepSeek-V4 KV state as KV groups of the engine's manager, and one compressor's storage.
-
-Per request (fixed size, one block each):
-  swa    ring of the last W-1+B raw KV per layer (B = prefix block tokens), so the
-         sliding state at the last block boundary is still there when a request ends
-  state  compressor open-window buffers and the CSA overlap (Ca of the last window)
-Paged, one block per B tokens (B = lcm of the compress rates, 128 for real configs):
-  csa    B/4 compressed entries + B/4 indexer keys per CSA layer, and the overlap
-         state at the block's end (what a resume from this boundary needs)
-  hca    B/128 compressed entries per HCA layer
-Every tensor has one scratch row past the pool's (a ring, a state block, a paged block): the
-idle rows of a CUDA-graph decode batch, and windows that close nothing there, write to it.
-"""
+"""DeepSeek-V4 KV state as KV groups of the engine's manager, and one compressor's storage."""
 
 from __future__ import annotations
 
@@ -22,11 +10,12 @@ from daemon.kv.spec import (
     CompressedKVSpec,
     CompressorStateSpec,
     KVGroup,
+    KVSpec,
     SlidingWindowSpec,
 )
 from daemon.models.deepseek_v4.config import CSA, HCA, V4Config
 
-SWA, STATE = "swa", "state"
+SWA, STATE = "swa", "state"  # the per-request groups' labels (/metrics' `kind`)
 
 
 def ring_size(cfg: V4Config) -> int:
@@ -34,6 +23,17 @@ def ring_size(cfg: V4Config) -> int:
 
 
 def kv_groups(cfg: V4Config, dtype: torch.dtype) -> list[KVGroup]:
+    """The V4 groups. Per request (fixed size, one block each):
+      swa    ring of the last W-1+B raw KV per layer (B = prefix block tokens), so the
+             sliding state at the last block boundary is still there when a request ends
+      state  compressor open-window buffers and the CSA overlap (Ca of the last window)
+    Paged, one block per B tokens (B = lcm of the compress rates, 128 for real configs):
+      csa    B/4 compressed entries + B/4 indexer keys per CSA layer, and the overlap
+             state at the block's end (what a resume from this boundary needs)
+      hca    B/128 compressed entries per HCA layer
+    The cache gives every tensor one scratch row past the pool's (a ring, a state block, a
+    paged block): the idle rows of a CUDA-graph decode batch, and windows that close nothing
+    there, write to it."""
     item = torch.empty((), dtype=dtype).element_size()
     hd, ihd, B = cfg.head_dim, cfg.index_head_dim, cfg.block_tokens
     csa, hca = cfg.layers_of(CSA), cfg.layers_of(HCA)
@@ -71,6 +71,41 @@ def kv_groups(cfg: V4Config, dtype: torch.dtype) -> list[KVGroup]:
             )
         )
     return groups
+
+
+@dataclass(frozen=True)
+class V4Groups:
+    """Where each V4 group is in the engine's group list, found by spec class (CSA and HCA,
+    both compressed, by their layers); None where the model has no such layers."""
+
+    swa: int
+    state: int | None
+    csa: int | None
+    hca: int | None
+
+    @classmethod
+    def of(cls, cfg: V4Config, groups: list[KVGroup]) -> V4Groups:
+        def find(spec: type[KVSpec], layers: list[int] | None = None) -> int | None:
+            for i, g in enumerate(groups):
+                if isinstance(g.spec, spec) and (layers is None or g.layer_ids == tuple(layers)):
+                    return i
+            return None
+
+        swa = find(SlidingWindowSpec)
+        if swa is None:
+            raise ValueError("a DeepSeek-V4 cache needs its sliding-window group")
+        return cls(
+            swa,
+            find(CompressorStateSpec),
+            find(CompressedKVSpec, cfg.layers_of(CSA)),
+            find(CompressedKVSpec, cfg.layers_of(HCA)),
+        )
+
+    @property
+    def paged(self) -> dict[str, int]:
+        """The paged groups present, by layer kind (CSA, HCA)."""
+        kinds = {CSA: self.csa, HCA: self.hca}
+        return {kind: i for kind, i in kinds.items() if i is not None}
 
 
 @dataclass

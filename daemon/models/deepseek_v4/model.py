@@ -18,7 +18,7 @@ from daemon.models.deepseek_v4.blocks import (
 )
 from daemon.models.deepseek_v4.cache import V4Cache
 from daemon.models.deepseek_v4.config import V4Config
-from daemon.models.deepseek_v4.graphs import V4DecodeGraphs
+from daemon.models.deepseek_v4.graphs import V4Buckets, V4DecodeGraphs
 from daemon.models.deepseek_v4.weights import Part, checkpoint_target
 from daemon.models.layers import column_major
 
@@ -80,12 +80,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         return v4kv.kv_groups(self.cfg, dtype)
 
     def allocate_cache(
-        self, groups: list[KVGroup], num_blocks: list[int], device: torch.device
+        self,
+        groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        graph_batch: int = 0,
     ) -> V4Cache:
-        return V4Cache(self.cfg, groups, num_blocks, device)
+        """With `graph_batch`, the cache pads decode-only steps to the decode graphs' shapes."""
+        shapes = (
+            V4Buckets.up_to(graph_batch, self.cfg.block_tokens, self.max_model_len)
+            if graph_batch
+            else None
+        )
+        return V4Cache(self.cfg, groups, num_blocks, device, shapes)
 
     def decode_graphs(self, cache: V4Cache, device: torch.device, max_batch: int) -> V4DecodeGraphs:
-        return V4DecodeGraphs(self, cache, device, max_batch)
+        return V4DecodeGraphs(self, cache, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch, cache: V4Cache
