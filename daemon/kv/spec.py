@@ -29,7 +29,7 @@ class KVSpec(ABC):
     @property
     @abstractmethod
     def name(self) -> str:
-        """The kind's label (the model's cache and /metrics' `kind` find a group by it)."""
+        """The kind's label (what /metrics and the logs call the group)."""
 
 
 @dataclass(frozen=True)
