@@ -15,10 +15,7 @@ async def handle(request: web.Request, protocol: str) -> web.StreamResponse:
     """`protocol`: chat, responses or messages (the codecs' names)."""
     state = get_state(request)
     body = await read_json_object(request)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
-    state.check_model(model)
+    state.check_body_model(body)
     state.check_engine()
     codec = state.codecs.conversations.get(protocol)
     if codec is None:

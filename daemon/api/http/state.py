@@ -48,6 +48,13 @@ class ApiState:
         if model != self.served_name:
             raise model_not_found(model)
 
+    def check_body_model(self, body: dict) -> None:
+        """The body's `model` is a string naming the model served here."""
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise bad_request("'model' must be a string", "model")
+        self.check_model(model)
+
     def check_engine(self) -> None:
         if self.draining:
             raise unavailable("the server is shutting down; retry on another node", 5)

@@ -52,10 +52,7 @@ async def detokenize(request: web.Request) -> web.Response:
 async def count_tokens(request: web.Request) -> web.Response:
     state = get_state(request)
     body = await read_json_object(request)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
-    state.check_model(model)
+    state.check_body_model(body)
     recipe = state.codecs.recipe
     if recipe is None:
         raise bad_request(f"{request.path} is not available for this model (it has no chat codec)")
