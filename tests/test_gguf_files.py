@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from daemon.models.gguf_checkpoint.vocab import PRE_TOKENIZERS
 from daemon.models.gguf_checkpoint.weights import SUPPORTED_TYPES, permute
 from daemon.models.loader import ModelLoadError, load_model, read_config
+from daemon.models.tokenizer import TextTokenizer
 from tests.checkpoints import make_dense_checkpoint
 from tests.test_models_dense import assert_close_logits, run_chunks
 
@@ -218,6 +219,18 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     write_gguf(file, "llama", cfg, tensors, {"model.layers.0.mlp.down_proj.weight": Q.IQ4_NL})
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_down\.weight' has type IQ4_NL"):
         load_model(file, CPU, torch.float32)
+
+
+def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
+    writer = GGUFWriter(tmp_path / "spm.gguf", "llama")
+    writer.add_tokenizer_model("llama")  # SentencePiece
+    writer.add_token_list(["<unk>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported"):
+        TextTokenizer(tmp_path / "spm.gguf", {})
 
 
 def test_several_gguf_files_in_a_directory(tmp_path: Path) -> None:
