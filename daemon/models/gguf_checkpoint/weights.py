@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from daemon.models.gguf_checkpoint.reader import GGUFError
 
 Q = GGMLQuantizationType
-# The types whose dequantization is checked against gguf's (tests/test_gguf_quants.py).
+# The types whose dequantization is checked against gguf's (tests/test_gguf_files.py).
 SUPPORTED_TYPES = (
     Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
