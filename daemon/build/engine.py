@@ -27,6 +27,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
+from daemon.models.gguf_checkpoint.reader import find_gguf
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
 from daemon.models.rope import UnsupportedRope
 from daemon.models.tokenizer import TextTokenizer
@@ -50,7 +51,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         loaded = load_model(path, device, dtype)
     model = loaded.model
     # `tokenizers` raises plain Exceptions; whatever it is, the files cannot serve
-    with failing_as(f"tokenizer {path / 'tokenizer.json'}", Exception):
+    with failing_as(f"tokenizer {find_gguf(path) or path / 'tokenizer.json'}", Exception):
         tokenizer = TextTokenizer.from_dir(path, hf_config)
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     if cfg.max_model_len and cfg.max_model_len > max_model_len:

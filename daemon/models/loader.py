@@ -1,8 +1,11 @@
-"""Load a Hugging Face-format checkpoint directory (config.json + *.safetensors) into our models."""
+"""Load a Hugging Face-format checkpoint directory (config.json + *.safetensors), or a GGUF
+file, into our models."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,9 @@ from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from daemon.models.deepseek_v4.weights import describe_part, is_scale, mtp_key, weight_of_scale
 from daemon.models.dense import DenseConfig, DenseForCausalLM
+from daemon.models.gguf_checkpoint.config import gguf_config
+from daemon.models.gguf_checkpoint.reader import GGUFError, find_gguf, open_gguf
+from daemon.models.gguf_checkpoint.weights import hf_tensors
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +48,12 @@ class LoadedModel:
 
 
 def read_config(path: Path) -> dict[str, Any]:
+    """config.json, or the config a GGUF file's metadata makes (`path` names it or a directory
+    holding it)."""
+    with _gguf_errors():
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return gguf_config(open_gguf(gguf_file), gguf_file.name)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
@@ -74,7 +86,14 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    load_weights(model, path, fp8_block_size(hf_config), dtype)
+    with _gguf_errors():
+        gguf_file = find_gguf(path)
+        if gguf_file is None:
+            load_weights(model, path, fp8_block_size(hf_config), dtype)
+        else:
+            reader = open_gguf(gguf_file)
+            tensors = hf_tensors(reader, hf_config)
+            fill_weights(model, tensors, len(reader.tensors), gguf_file.name, "dequantizing GGUF")
     model.eval()
     log.info(
         "model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device)
@@ -161,6 +180,41 @@ def load_weights(
     missing = sorted(_describe(n, p) for n, p in expected - loaded.keys())
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors for: {', '.join(missing[:8])}")
+
+
+def fill_weights(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    total: int,
+    source: str,
+    desc: str = "loading weights",
+) -> None:
+    """Fill `model` from (checkpoint name, tensor) pairs, `total` of them, read from `source`
+    (the GGUF path; safetensors directories go through load_weights)."""
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    expected = {(name, part) for name in targets for part in model.param_parts(name)}
+    loaded: dict[tuple[str, Any], str] = {}
+    for key, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", leave=False):
+        target = model.checkpoint_to_param(key)
+        if target is None:
+            continue
+        name, part = target
+        if name not in targets:
+            raise ModelLoadError(f"{source}: unexpected tensor {key!r}")
+        _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
+        loaded[(name, part)] = key
+    missing = sorted(_describe(n, p) for n, p in expected - loaded.keys())
+    if missing:
+        raise ModelLoadError(f"{source} lacks tensors for: {', '.join(missing[:8])}")
+
+
+@contextmanager
+def _gguf_errors() -> Iterator[None]:
+    """GGUF problems as ModelLoadError (the one-line startup failure)."""
+    try:
+        yield
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def dequantize_fp8(

@@ -1,4 +1,5 @@
-"""Tokenizer of a checkpoint (tokenizer.json via `tokenizers`) and its end-of-sequence ids."""
+"""Tokenizer of a checkpoint (tokenizer.json via `tokenizers`, or a GGUF file's vocab) and its
+end-of-sequence ids."""
 
 from __future__ import annotations
 
@@ -9,15 +10,31 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from daemon.models.gguf_checkpoint.reader import find_gguf, open_gguf
+from daemon.models.gguf_checkpoint.vocab import gguf_vocab
+
 
 class TextTokenizer:
     def __init__(self, path: Path, hf_config: dict[str, Any]) -> None:
-        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.eos_token_ids = _eos_ids(path, hf_config, self.tokenizer)
+        """`path`: a checkpoint directory with tokenizer.json, or a GGUF file (or a directory
+        holding one), whose vocab also carries the chat template."""
+        self.chat_template: str | None = None  # where the tokenizer carries it (GGUF)
+        self.special_tokens: dict[str, str] = {}  # bos_token / eos_token spellings, with it
+        gguf_file = find_gguf(path)
+        if gguf_file is None:
+            self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            self.eos_token_ids = _eos_ids(path, hf_config, self.tokenizer)
+            return
+        vocab = gguf_vocab(open_gguf(gguf_file), gguf_file.name)
+        self.tokenizer = vocab.tokenizer
+        self.eos_token_ids = vocab.eos_token_ids
+        self.chat_template, self.special_tokens = vocab.chat_template, vocab.special
 
     @classmethod
     def from_dir(cls, path: Path, hf_config: dict[str, Any]) -> TextTokenizer | None:
-        return cls(path, hf_config) if (path / "tokenizer.json").is_file() else None
+        if (path / "tokenizer.json").is_file() or find_gguf(path) is not None:
+            return cls(path, hf_config)
+        return None
 
     @property
     def vocab_size(self) -> int:

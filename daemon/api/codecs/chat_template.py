@@ -31,12 +31,17 @@ class ChatTemplate:
     def load(
         cls, model_dir: Path, tokenizer: TextTokenizer, tool_parser: str = "auto"
     ) -> ChatTemplate | None:
-        """`tool_parser`: auto (from the template's own tool-call format), none, or a parser."""
-        path = model_dir / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        cfg = json.loads(path.read_text())
-        source = cfg.get("chat_template")
+        """`tool_parser`: auto (from the template's own tool-call format), none, or a parser.
+        A tokenizer that carries its template (a GGUF file's) is not looked up in `model_dir`."""
+        if tokenizer.chat_template is not None:
+            cfg: dict[str, Any] = dict(tokenizer.special_tokens)
+            source: Any = tokenizer.chat_template
+        else:
+            path = model_dir / "tokenizer_config.json"
+            if not path.is_file():
+                return None
+            cfg = json.loads(path.read_text())
+            source = cfg.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default") or next(iter(named.values()), None)
