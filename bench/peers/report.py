@@ -89,8 +89,10 @@ def plot(rs: list[Row], path: Path, title: str) -> bool:
         x = [r.concurrency for r in mine]
         tput.plot(x, [r.output_tok_s for r in mine], marker="o", label=system)
         tpot.plot(x, [r.tpot_p50_ms for r in mine], marker="o", label=system)
+    ticks = sorted({r.concurrency for r in rs})
     for ax, label in ((tput, "output tok/s"), (tpot, "TPOT p50 (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
