@@ -60,7 +60,6 @@ def ensure(name: str, root: Path | None = None, force: bool = False) -> PeerEnv:
     if env.path.exists():
         shutil.rmtree(env.path)
     venv.EnvBuilder(with_pip=True, clear=True).create(env.path)
-    _pip(env, "install", "--upgrade", "pip")
     INSTALLERS[name](env)
     (env.path / READY).write_text("ok\n")
     return env
