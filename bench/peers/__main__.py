@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         peers_root=a.peers_root,
         extra_args={s: getattr(a, f"{s}_args") for s in SYSTEMS},
     )
+    signal.signal(signal.SIGTERM, _interrupt)  # the started server is stopped on the way out
     try:
         result = run(plan)
     except (ServerError, WorkloadError, venvs.InstallError) as e:
         print(f"bench.peers: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     rows = [report.Row(**r) for r in result["rows"]]
     print(report.table(rows))
     print(f"results: {out / 'peers.json'}, {out / 'table.md'}")
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(report.MISSING_MPL)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
