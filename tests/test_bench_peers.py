@@ -93,6 +93,7 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert (s["completed"], s["failed"]) == (3, 0)
         assert s["output_tokens"] == 3 * 4 and s["input_tokens"] == 3 * 16
         assert s["max_concurrency_seen"] <= r["concurrency"]
+        assert s["cached_tokens"] == 0  # no block store: nothing from an earlier server
     rows = data["rows"]
     assert [(r["system"], r["concurrency"], r["repeats"]) for r in rows] == [
         ("deepinfer", 1, 2),

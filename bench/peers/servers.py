@@ -39,9 +39,12 @@ class Launch:
 
 
 def deepinfer_launch(model: Path, port: int, dtype: str, extra: list[str]) -> Launch:
+    """No block store: the default one on disk outlives the process, and an earlier run's
+    blocks would turn this run's prompts into prefix hits that the peers cannot have."""
     name = "deepinfer-bench"
     argv = [sys.executable, "-m", "daemon", "serve", "--model", str(model), "--dtype", dtype]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", name, *extra]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", name]
+    argv += ["--no-kv-store", *extra]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return Launch("deepinfer", argv, name, {"PYTHONPATH": path})
 
