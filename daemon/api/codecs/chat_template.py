@@ -1,5 +1,5 @@
-"""A checkpoint's own chat template (tokenizer_config.json "chat_template", jinja2) for model
-families that deepseek-recipe does not cover."""
+"""A checkpoint's own chat template (chat_template.jinja, else tokenizer_config.json
+"chat_template"; jinja2) for model families that deepseek-recipe does not cover."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.dense_tools import ToolRequest, tool_request
 from daemon.models.tokenizer import TextTokenizer
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where current transformers saves it
 
 # As OpenAI lists them (its error message names them in this order).
 ROLES = ("system", "assistant", "user", "function", "tool", "developer")
@@ -33,19 +35,15 @@ class ChatTemplate:
     ) -> ChatTemplate | None:
         """`tool_parser`: auto (from the template's own tool-call format), none, or a parser.
         A tokenizer that carries its template (a GGUF file's) is not looked up in `model_dir`."""
+        source: str | None
         if tokenizer.chat_template is not None:
             cfg: dict[str, Any] = dict(tokenizer.special_tokens)
-            source: Any = tokenizer.chat_template
+            source = tokenizer.chat_template
         else:
             path = model_dir / "tokenizer_config.json"
-            if not path.is_file():
-                return None
-            cfg = json.loads(path.read_text())
-            source = cfg.get("chat_template")
-        if isinstance(source, list):  # [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-        if not isinstance(source, str):
+            cfg = json.loads(path.read_text()) if path.is_file() else {}
+            source = _source(model_dir, cfg)
+        if source is None:
             return None
         # as transformers renders chat templates
         env = ImmutableSandboxedEnvironment(
@@ -81,6 +79,19 @@ class ChatTemplate:
 
     def encode(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
         return self.tokenizer.encode(self.render(body, tools), add_special_tokens=False)
+
+
+def _source(model_dir: Path, cfg: dict[str, Any]) -> str | None:
+    """As transformers reads it: chat_template.jinja, which current transformers saves, takes
+    priority over the tokenizer config's entry."""
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default") or next(iter(named.values()), None)
+    return source if isinstance(source, str) else None
 
 
 def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""The comparison loop: one server at a time (they share the cores), systems alternating within
+each repeat, every concurrency on each started server, fresh prompts for every run."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.peers import report, venvs, workload
+from bench.peers.servers import (
+    Launch,
+    Server,
+    deepinfer_launch,
+    llamacpp_launch,
+    vllm_launch,
+)
+from daemon.service.live_server import free_port
+
+WARMUP_OUTPUT_LEN = 16
+
+
+@dataclass
+class Plan:
+    systems: list[str]
+    model: Path | None  # HF checkpoint directory: deepinfer, vLLM
+    gguf: Path | None  # llama.cpp
+    dtype: str
+    concurrency: list[int]
+    repeats: int
+    work: workload.Workload
+    out: Path
+    seed: int = 0
+    warmup: int = 4  # requests before the timed runs of each started server
+    ready_timeout_s: float = 900.0
+    peers_root: Path | None = None
+    extra_args: dict[str, str] = field(default_factory=dict)  # system -> its server's flags
+
+
+def launch(plan: Plan, system: str, port: int) -> Launch:
+    extra = shlex.split(plan.extra_args.get(system, ""))
+    if system == "deepinfer":
+        assert plan.model is not None
+        return deepinfer_launch(plan.model, port, plan.dtype, extra)
+    if system == "vllm":
+        assert plan.model is not None
+        env = venvs.ensure("vllm", plan.peers_root)
+        return vllm_launch(env, plan.model, port, plan.dtype, extra)
+    assert plan.gguf is not None
+    return llamacpp_launch(venvs.ensure("llamacpp", plan.peers_root), plan.gguf, port, extra)
+
+
+def run(plan: Plan) -> dict[str, Any]:
+    """Every run's summary, the table's rows; writes peers.json and table.md under plan.out."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
+    started: list[dict[str, Any]] = []
+    for rep in range(plan.repeats):
+        for system in plan.systems:
+            port = free_port()
+            spec = launch(plan, system, port)
+            with Server(spec, port, plan.out / f"{system}-r{rep}.log") as server:
+                ready_s = server.wait_ready(plan.ready_timeout_s)
+                started.append(
+                    {"system": system, "repeat": rep, "ready_s": ready_s, "pid": server.proc.pid}
+                )
+                print(f"[{system} r{rep}] ready in {ready_s:.1f} s: {server.base_url}", flush=True)
+                base = plan.seed + 1000 * rep  # same prompts for every system, fresh per run
+                if plan.warmup:
+                    _warm_up(plan, system, spec.served_name, server.base_url, base + 999)
+                for i, conc in enumerate(plan.concurrency):
+                    path = plan.out / f"{system}-r{rep}-c{conc}.json"
+                    args = workload.serve_args(
+                        system, plan.work, server.base_url, spec.served_name, conc, base + i, path
+                    )
+                    data = workload.run(args)
+                    runs.append(
+                        {
+                            "system": system,
+                            "concurrency": conc,
+                            "repeat": rep,
+                            "result_json": str(path),
+                            "summary": data["summary"],
+                        }
+                    )
+    rows = report.rows(runs)
+    result = {
+        "plan": _jsonable(asdict(plan)),
+        "started": started,
+        "runs": runs,
+        "rows": [asdict(r) for r in rows],
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+    (plan.out / "peers.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (plan.out / "table.md").write_text(report.table(rows) + "\n")
+    return result
+
+
+def _warm_up(plan: Plan, system: str, model: str, url: str, seed: int) -> None:
+    """Not timed: first-request costs (graph capture, allocator growth, page faults) out."""
+    w = workload.Workload(
+        plan.warmup, plan.work.input_len, WARMUP_OUTPUT_LEN, plan.work.tokenizer, plan.work.extra
+    )
+    path = plan.out / f"{system}-warmup.json"
+    workload.run(workload.serve_args(system, w, url, model, plan.warmup, seed, path))
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x

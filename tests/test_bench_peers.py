@@ -1,0 +1,117 @@
+"""`python -m bench.peers` wired end to end against our own server only (a tiny random
+checkpoint, a tiny workload): server start and teardown, runs, table, JSON and plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.peers.__main__ import main
+from bench.peers.servers import Launch, Server, ServerError
+from daemon.service.live_server import free_port
+from tests.checkpoints import make_dense_checkpoint
+
+# A server that leaves a child in its group (as vLLM's engine core) and answers /v1/models.
+FAKE = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("child", child.pid, flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"data": []}')
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_server_ready_and_whole_group_stopped(tmp_path: Path) -> None:
+    port = free_port()
+    launch = Launch("fake", [sys.executable, "-c", FAKE, str(port)], "fake")
+    server = Server(launch, port, tmp_path / "fake.log")
+    with server:
+        assert server.wait_ready(30) < 30
+        deadline = time.monotonic() + 10
+        while "child" not in server.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(server.log_tail().split()[1])
+        assert _alive(child)
+    assert server.proc.poll() is not None
+    deadline = time.monotonic() + 5  # init reaps the orphaned child after SIGKILL
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_server_that_exits_reports_its_log(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
+    server = Server(Launch("bad", argv, "bad"), port, tmp_path / "bad.log")
+    with server, pytest.raises(ServerError, match="exited with 3(.|\n)*no such model"):
+        server.wait_ready(30)
+
+
+def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_dense_checkpoint(tmp_path / "tiny", with_tokenizer=True)
+    out = tmp_path / "run"
+    rc = main(
+        ["--systems", "deepinfer", "--model", str(model), "--dtype", "float32"]
+        + ["--concurrency", "1", "3", "--repeats", "2", "--num-prompts", "3", "--warmup", "1"]
+        + ["--input-len", "16", "--output-len", "4", "--out", str(out)]
+        + ["--deepinfer-args", "--kv-cache-memory-gb 0.05 --max-model-len 256"]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads((out / "peers.json").read_text())
+    assert [(r["repeat"], r["concurrency"]) for r in data["runs"]] == [
+        (0, 1),
+        (0, 3),
+        (1, 1),
+        (1, 3),
+    ]
+    assert [s["repeat"] for s in data["started"]] == [0, 1]
+    assert not any(_alive(s["pid"]) for s in data["started"])
+    # every run of a started server sends fresh prompts (no prefix-cache hits across runs)
+    configs = [json.loads(Path(r["result_json"]).read_text())["config"] for r in data["runs"]]
+    assert len({c["seed"] for c in configs}) == 4
+    for r, c in zip(data["runs"], configs, strict=True):
+        assert c["max_concurrency"] == r["concurrency"] and c["ignore_eos"]
+        s = r["summary"]
+        assert (s["completed"], s["failed"]) == (3, 0)
+        assert s["output_tokens"] == 3 * 4 and s["input_tokens"] == 3 * 16
+        assert s["max_concurrency_seen"] <= r["concurrency"]
+        assert s["cached_tokens"] == 0  # no block store: nothing from an earlier server
+    rows = data["rows"]
+    assert [(r["system"], r["concurrency"], r["repeats"]) for r in rows] == [
+        ("deepinfer", 1, 2),
+        ("deepinfer", 3, 2),
+    ]
+    for r in rows:
+        assert r["output_tok_s"] > 0 and 0 < r["tpot_p50_ms"] <= r["tpot_p99_ms"]
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert r["ours_vs_tok_s"] == r["ours_vs_tpot"] == 1.0
+    table = (out / "table.md").read_text()
+    assert table.count("| deepinfer |") == 2 and "| deepinfer | 3 |" in table
+    assert "| 1.00× | 1.00× | 3 / 0 |" in table and table.strip() in printed
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not (out / "peers.png").exists() and "matplotlib not installed" in printed
+
+
+def test_peer_without_its_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--systems", "llamacpp", "--model", str(tmp_path)])
