@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from daemon.models.gguf_checkpoint.vocab import PRE_TOKENIZERS
-from daemon.models.gguf_checkpoint.weights import SUPPORTED_TYPES, permute
+from daemon.models.gguf_checkpoint.weights import SUPPORTED_TYPES
 from daemon.models.loader import ModelLoadError, load_model, read_config
 from daemon.models.tokenizer import TextTokenizer
 from tests.checkpoints import make_dense_checkpoint
@@ -160,6 +160,12 @@ def test_every_tensor_type_dequantizes_as_gguf_does(tmp_path: Path) -> None:
         assert torch.equal(loaded_tensor(model, hf), ref), (hf, qtype.name)
         seen.add(qtype)
     assert seen == set(SUPPORTED_TYPES)
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's own permutation (what its converter writes for llama q/k)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def permute_back(w: torch.Tensor, heads: int) -> torch.Tensor:

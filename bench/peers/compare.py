@@ -88,7 +88,7 @@ def run(plan: Plan) -> dict[str, Any]:
                     )
     rows = report.rows(runs)
     result = {
-        "plan": _jsonable(asdict(plan)),
+        "plan": asdict(plan),
         "started": started,
         "runs": runs,
         "rows": [asdict(r) for r in rows],
@@ -106,13 +106,3 @@ def _warm_up(plan: Plan, system: str, model: str, url: str, seed: int) -> None:
     )
     path = plan.out / f"{system}-warmup.json"
     workload.run(workload.serve_args(system, w, url, model, plan.warmup, seed, path))
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, Path):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    return x

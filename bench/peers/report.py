@@ -3,10 +3,11 @@ with ratios against deepinfer, the JSON file, a PNG plot (matplotlib, optional).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.common import median
 
 BASELINE = "deepinfer"
 MISSING_MPL = "matplotlib not installed (the `bench` extra): no plot"
@@ -106,8 +107,7 @@ def plot(rs: list[Row], path: Path, title: str) -> bool:
 
 
 def _median(xs: Any) -> float:
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else float("nan")
+    return median([x for x in xs if x is not None])
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -31,10 +31,11 @@ def gguf_config(reader: GGUFReader, name: str) -> dict[str, Any]:
 
     heads = arch_field("attention.head_count")
     hidden = arch_field("embedding_length")
-    tokens = field(reader, "tokenizer.ggml.tokens", [])
     config: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch],
-        "vocab_size": arch_field("vocab_size") or len(tokens) or _rows(reader, "token_embd.weight"),
+        "vocab_size": arch_field("vocab_size")
+        or len(field(reader, "tokenizer.ggml.tokens", []))
+        or _rows(reader, "token_embd.weight"),
         "hidden_size": hidden,
         "intermediate_size": arch_field("feed_forward_length"),
         "num_hidden_layers": arch_field("block_count"),

@@ -73,12 +73,6 @@ def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's own permutation (what its converter writes for llama q/k)."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for each GGUF tensor, dequantized one at a time."""
     heads = {
