@@ -4,6 +4,7 @@ detokenized text, with tool calls read back from it in the chat template's forma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import orjson
 
@@ -65,6 +66,11 @@ class DenseChatAnswer:
     def header(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    @cached_property
+    def chunk_head(self) -> dict:
+        """Every stream chunk's header (built once per stream; chunks merge it, never edit it)."""
+        return self.header("chat.completion.chunk")
+
     def usage(self) -> dict:
         """The prompt counted once (the choices share it), the completions summed."""
         first = self.choices[0]
@@ -104,7 +110,7 @@ class DenseChatAnswer:
         return orjson.dumps(body)
 
     def opening(self) -> list[Event]:
-        head = self.header("chat.completion.chunk")
+        head = self.chunk_head
         return [
             (
                 head
@@ -130,7 +136,7 @@ class DenseChatAnswer:
         if not (deltas or out.finished or out.logprobs):
             return []
         deltas = deltas or [{}]
-        head = self.header("chat.completion.chunk")
+        head = self.chunk_head
         events: list[Event] = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1
@@ -146,9 +152,7 @@ class DenseChatAnswer:
     def closing(self) -> list[Event]:
         if not self.include_usage:
             return []
-        return [
-            (self.header("chat.completion.chunk") | {"choices": [], "usage": self.usage()}, None)
-        ]
+        return [(self.chunk_head | {"choices": [], "usage": self.usage()}, None)]
 
     def close(self) -> None:
         """Nothing to release: the choices are plain data."""
