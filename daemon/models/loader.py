@@ -167,19 +167,8 @@ def load_weights(
                     tensor = tensor.to(device=like.device)
                 mtp[mtp_key(name)] = nn.Parameter(tensor, requires_grad=False)
                 continue
-            if name not in targets:
-                raise ModelLoadError(f"{f.name}: unexpected tensor {key!r}")
-            _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
-            for covered in model.covered_parts(name, part):
-                if (name, covered) in loaded:
-                    raise ModelLoadError(
-                        f"checkpoint tensors {loaded[(name, covered)]!r} and {key!r} both "
-                        f"fill {_describe(name, covered)}"
-                    )
-                loaded[(name, covered)] = key
-    missing = sorted(_describe(n, p) for n, p in expected - loaded.keys())
-    if missing:
-        raise ModelLoadError(f"checkpoint {path} lacks tensors for: {', '.join(missing[:8])}")
+            _fill_part(model, targets, loaded, name, part, key, tensor, f.name)
+    _check_complete(expected, loaded, f"checkpoint {path}")
 
 
 def fill_weights(
@@ -199,13 +188,40 @@ def fill_weights(
         if target is None:
             continue
         name, part = target
-        if name not in targets:
-            raise ModelLoadError(f"{source}: unexpected tensor {key!r}")
-        _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
-        loaded[(name, part)] = key
+        _fill_part(model, targets, loaded, name, part, key, tensor, source)
+    _check_complete(expected, loaded, source)
+
+
+def _fill_part(
+    model: nn.Module,
+    targets: dict[str, torch.Tensor],
+    loaded: dict[tuple[str, Any], str],
+    name: str,
+    part: Any,
+    key: str,
+    tensor: torch.Tensor,
+    where: str,
+) -> None:
+    """Copy checkpoint tensor `key` into part `part` of parameter `name`; two tensors that
+    fill the same part are an error."""
+    if name not in targets:
+        raise ModelLoadError(f"{where}: unexpected tensor {key!r}")
+    _copy_into(model.param_view(name, targets[name].data, part), tensor, key)
+    for covered in model.covered_parts(name, part):
+        if (name, covered) in loaded:
+            raise ModelLoadError(
+                f"checkpoint tensors {loaded[(name, covered)]!r} and {key!r} both "
+                f"fill {_describe(name, covered)}"
+            )
+        loaded[(name, covered)] = key
+
+
+def _check_complete(
+    expected: set[tuple[str, Any]], loaded: dict[tuple[str, Any], str], what: str
+) -> None:
     missing = sorted(_describe(n, p) for n, p in expected - loaded.keys())
     if missing:
-        raise ModelLoadError(f"{source} lacks tensors for: {', '.join(missing[:8])}")
+        raise ModelLoadError(f"{what} lacks tensors for: {', '.join(missing[:8])}")
 
 
 @contextmanager
