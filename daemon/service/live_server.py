@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from pathlib import Path
 
 import uvloop
 
 from daemon.api.http.config import ServerConfig
 from daemon.api.http.server import bound_port, create_app, start_server
 from daemon.build.config import EngineConfig
+from daemon.build.demo import model_path
 from daemon.build.engine import build_engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.service.logs import add_secret
@@ -78,7 +78,7 @@ class LiveServer:
                 self.model,
                 self.server_cfg,
                 metrics=metrics,
-                model_dir=_model_dir(self.engine_cfg),
+                model_dir=model_path(self.engine_cfg),
             ),
             self.server_cfg,
         )
@@ -89,7 +89,3 @@ class LiveServer:
             await self._stop.wait()
         finally:
             await runner.cleanup()
-
-
-def _model_dir(cfg: EngineConfig) -> Path | None:
-    return Path(cfg.model) if cfg.model else None

@@ -19,7 +19,7 @@ from typing import Any
 from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
-from daemon.build.config import DEVICES, DTYPES, EngineConfig
+from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import TrafficClasses
 from daemon.service import logs
@@ -175,6 +175,10 @@ def check(s: Settings) -> None:
     e, sv, lg = s.engine, s.server, s.logging
     _choice("engine.device", e.device, DEVICES)
     _choice("engine.dtype", e.dtype, DTYPES)
+    if e.demo is not None:
+        _choice("engine.demo", e.demo, DEMOS)
+        if e.model:
+            raise ConfigError("engine.demo", "a built-in demo is served only without a model")
     _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
