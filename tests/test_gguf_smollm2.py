@@ -122,3 +122,23 @@ def test_greedy_equals_transformers_alone_and_batched(gguf_file: Path, reference
     assert batched == want
     assert "Paris" in reference_tokenizer.decode(want[0])
     assert any(len(w) == MAX_TOKENS for w in want)  # not all stop early
+
+
+def test_converted_checkpoint_is_the_gguf_for_transformers(
+    gguf_file: Path, reference_tokenizer, tmp_path: Path
+) -> None:
+    """bench.peers.convert (vLLM's checkpoint): transformers loads it, and its logits and chat
+    template are those of the GGUF."""
+    from bench.peers.convert import convert
+
+    out = convert(gguf_file, tmp_path / "hf")
+    ids = torch.tensor([list(range(100, 140))])
+    with torch.inference_mode():
+        logits = [
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)(ids).logits
+            for path, kw in ((gguf_file.parent, {"gguf_file": gguf_file.name}), (out, {}))
+        ]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+    tokenizers = [AutoTokenizer.from_pretrained(out), reference_tokenizer]
+    rendered = [t.apply_chat_template(CONVERSATIONS[1], tokenize=False) for t in tokenizers]
+    assert rendered[0] == rendered[1]
