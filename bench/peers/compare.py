@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.peers import report, venvs, workload
+from bench.peers import floor, report, venvs, workload
 from bench.peers.servers import (
     Launch,
     Server,
@@ -56,6 +56,11 @@ def launch(plan: Plan, system: str, port: int) -> Launch:
 def run(plan: Plan) -> dict[str, Any]:
     """Every run's summary, the table's rows; writes peers.json and table.md under plan.out."""
     plan.out.mkdir(parents=True, exist_ok=True)
+    # before any server: the copy rate of this machine with its cores to itself
+    weights = floor.measure(
+        plan.model, plan.gguf if "llamacpp" in plan.systems else None, plan.dtype
+    )
+    print(report.describe_floor(weights), flush=True)
     runs: list[dict[str, Any]] = []
     started: list[dict[str, Any]] = []
     for rep in range(plan.repeats):
@@ -86,16 +91,17 @@ def run(plan: Plan) -> dict[str, Any]:
                             "summary": data["summary"],
                         }
                     )
-    rows = report.rows(runs)
+    rows = report.rows(runs, weights, plan.dtype)
     result = {
         "plan": asdict(plan),
+        "floor": weights.to_json() if weights is not None else None,
         "started": started,
         "runs": runs,
         "rows": [asdict(r) for r in rows],
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
     (plan.out / "peers.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (plan.out / "table.md").write_text(report.table(rows) + "\n")
+    (plan.out / "table.md").write_text(report.markdown(rows, weights) + "\n")
     return result
 
 
