@@ -30,6 +30,7 @@ CLASSES = (
     "hyper-connections",
     "mlp activation",
     "sampling",
+    "compiled code",
     "other ops",
     PYTHON,
 )
@@ -68,6 +69,8 @@ def op_class(name: str) -> str | None:
     if name in GEMM_OPS:
         return "gemm"
     low = name.lower()
+    if low.startswith(("torch-compiled region", "torchdynamo", "cpp_fused")) or "compiledfx" in low:
+        return "compiled code"  # guards, wrappers, generated kernels (not their extern GEMMs)
     if "attention" in low or "paged" in low:
         return "attention"
     if "norm" in low:

@@ -85,6 +85,8 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         (1, 3),
     ]
     assert [s["repeat"] for s in data["started"]] == [0, 1]
+    assert [p.name for p in sorted(out.glob("kv-store-r*"))] == ["kv-store-r0", "kv-store-r1"]
+    assert any(out.glob("kv-store-r0/**/*.kvb"))  # the store is on, as by default
     assert not any(_alive(s["pid"]) for s in data["started"])
     # every run of a started server sends fresh prompts (no prefix-cache hits across runs)
     configs = [json.loads(Path(r["result_json"]).read_text())["config"] for r in data["runs"]]
@@ -95,7 +97,7 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert (s["completed"], s["failed"]) == (3, 0)
         assert s["output_tokens"] == 3 * 4 and s["input_tokens"] == 3 * 16
         assert s["max_concurrency_seen"] <= r["concurrency"]
-        assert s["cached_tokens"] == 0  # no block store: nothing from an earlier server
+        assert s["cached_tokens"] == 0  # a fresh block store per server, fresh prompts per run
     rows = data["rows"]
     assert [(r["system"], r["concurrency"], r["repeats"]) for r in rows] == [
         ("deepinfer", 1, 2),

@@ -43,6 +43,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench-args", default="", help="more `deepinfer bench serve` flags")
     for system in SYSTEMS:
         p.add_argument(f"--{system}-args", default="", help=f"more flags for {system}'s server")
+    p.add_argument(
+        "--no-kv-store",
+        action="store_true",
+        help="deepinfer without its block store (default: on, a fresh directory per server)",
+    )
     p.add_argument("--peers-root", type=Path, default=None, help=f"default {venvs.default_root()}")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new one "
                    "under the cache directory's peers/runs)")  # fmt: skip
@@ -82,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_timeout_s=a.ready_timeout,
         peers_root=a.peers_root,
         extra_args={s: getattr(a, f"{s}_args") for s in SYSTEMS},
+        kv_store=not a.no_kv_store,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # the started server is stopped on the way out
     try:

@@ -38,13 +38,15 @@ class Plan:
     ready_timeout_s: float = 900.0
     peers_root: Path | None = None
     extra_args: dict[str, str] = field(default_factory=dict)  # system -> its server's flags
+    kv_store: bool = True  # deepinfer's block store on (as by default), a fresh one per server
 
 
-def launch(plan: Plan, system: str, port: int) -> Launch:
+def launch(plan: Plan, system: str, port: int, rep: int = 0) -> Launch:
     extra = shlex.split(plan.extra_args.get(system, ""))
     if system == "deepinfer":
         assert plan.model is not None
-        return deepinfer_launch(plan.model, port, plan.dtype, extra)
+        store = plan.out / f"kv-store-r{rep}" if plan.kv_store else None
+        return deepinfer_launch(plan.model, port, plan.dtype, extra, store)
     if system == "vllm":
         assert plan.model is not None
         env = venvs.ensure("vllm", plan.peers_root)
@@ -66,7 +68,7 @@ def run(plan: Plan) -> dict[str, Any]:
     for rep in range(plan.repeats):
         for system in plan.systems:
             port = free_port()
-            spec = launch(plan, system, port)
+            spec = launch(plan, system, port, rep)
             with Server(spec, port, plan.out / f"{system}-r{rep}.log") as server:
                 ready_s = server.wait_ready(plan.ready_timeout_s)
                 started.append(
