@@ -376,7 +376,10 @@ def main() -> None:
         help="then cProfile one run of ours at the top concurrency",
     )
     p.add_argument(
-        "--profile-top", type=int, default=0, help="with --cprofile: also the N top functions by self time"
+        "--profile-top",
+        type=int,
+        default=0,
+        help="with --cprofile: also the N top functions by self time",
     )
     args = p.parse_args()
     asyncio.run(bench(args))
