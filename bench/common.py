@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import logging
 import random
 import shutil
@@ -51,10 +52,27 @@ class ModelSpec:
     intermediate: int = 1536
     vocab: int = 32000
     max_positions: int = 2048
+    explicit_head_dim: int = 0  # a config's head_dim where it is not hidden / heads
+
+    @classmethod
+    def from_config(cls, path: Path) -> ModelSpec:
+        """The spec of a saved Llama-style checkpoint (its config.json), for FLOP counts."""
+        c = json.loads((Path(path) / "config.json").read_text())
+        heads = c["num_attention_heads"]
+        return cls(
+            c["num_hidden_layers"],
+            c["hidden_size"],
+            heads,
+            c.get("num_key_value_heads", heads),
+            c["intermediate_size"],
+            c["vocab_size"],
+            c.get("max_position_embeddings", 2048),
+            c.get("head_dim") or 0,
+        )
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
 
     def matmul_params(self) -> int:
         """Weights one token multiplies by: qkv, o, gate/up/down per layer, plus lm_head."""
@@ -69,10 +87,10 @@ class ModelSpec:
         attention = 4 * ctx * self.heads * self.head_dim * self.num_layers
         return 2 * self.matmul_params() + attention
 
-    def describe(self) -> str:
+    def describe(self, dtype: str = "fp32") -> str:
         return (
             f"llama {self.num_layers}L hidden {self.hidden} heads {self.heads}/{self.kv_heads} "
-            f"ffn {self.intermediate} vocab {self.vocab} fp32 "
+            f"ffn {self.intermediate} vocab {self.vocab} {dtype} "
             f"({self.matmul_params() / 1e6:.1f}M matmul params)"
         )
 
@@ -148,6 +166,7 @@ def build_ours(
     max_num_batched_tokens: int = 2048,
     cpu_threads: int = 0,
     device: str = "cpu",
+    dtype: str = "auto",
 ) -> Any:
     from daemon.build.config import EngineConfig
     from daemon.build.engine import build_engine
@@ -160,6 +179,7 @@ def build_ours(
         max_num_batched_tokens=max_num_batched_tokens,
         overlap=overlap,
         cpu_threads=cpu_threads,
+        dtype=dtype,
     )
     engine, _ = build_engine(cfg)
     return engine

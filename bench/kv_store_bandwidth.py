@@ -176,6 +176,7 @@ class StoreRun:
             self.block_bytes,
             fsync=fsync,
             io_threads=self.io_threads,
+            write_threads=self.io_threads,  # as many concurrent writes as the plain files get
             max_pending_writes=self.n + 1,  # the default 1024 would drop part of 2 GiB
         )
 

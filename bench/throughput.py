@@ -34,6 +34,7 @@ from bench.common import (
     quiet_logs,
     run_ours,
 )
+from bench.step_profile import StepOpProfile, decode_at, report, write_json
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -62,11 +63,13 @@ class SystemRuns:
 # ---- transformers -----------------------------------------------------------------------------
 
 
-def load_hf(path: Path, attn: str) -> Any:
+def load_hf(path: Path, attn: str, dtype: str = "float32") -> Any:
+    """transformers in our dtype (auto: the checkpoints here are float32)."""
     from transformers import LlamaForCausalLM
 
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     return LlamaForCausalLM.from_pretrained(
-        path, attn_implementation=attn, dtype=torch.float32
+        path, attn_implementation=attn, dtype=torch_dtype
     ).eval()
 
 
@@ -194,7 +197,7 @@ async def bench(args: argparse.Namespace) -> None:
     uniform = len({r.max_tokens for r in workload}) == 1
     prompt_tokens = sum(len(r.prompt) for r in workload)
     output_tokens = sum(r.max_tokens for r in workload)
-    print(f"model: {spec.describe()}  [{path}]")
+    print(f"model: {spec.describe(args.dtype)}  [{path}]")
     print(
         f"workload: {len(workload)} requests, {prompt_tokens} prompt tokens, {output_tokens} output "
         f"tokens (prompt {args.prompt_len}, output "
@@ -203,17 +206,22 @@ async def bench(args: argparse.Namespace) -> None:
     )
 
     engine = build_ours(
-        path, True, args.kv_cache_gb, args.max_num_seqs, args.max_num_batched_tokens
+        path,
+        True,
+        args.kv_cache_gb,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        dtype=args.dtype,
     )
     await engine.start()
     systems = {"ours": SystemRuns("ours (overlap on)")}
     hf_cb = hf_static = None
     if not args.skip_cb:
-        hf_cb = load_hf(path, args.hf_attn)
+        hf_cb = load_hf(path, args.hf_attn, args.dtype)
         cfg = cb_config(args, engine.kv.capacity_tokens())
         systems["cb"] = SystemRuns(f"transformers CB ({args.hf_attn})")
     if not args.skip_static:
-        hf_static = load_hf(path, "sdpa")
+        hf_static = load_hf(path, "sdpa", args.dtype)
         systems["static"] = SystemRuns(f"static generate (sdpa, chunks of {args.static_chunk})")
 
     # Warm-up (allocators, first-call paths) on a few short requests; not timed.
@@ -225,6 +233,7 @@ async def bench(args: argparse.Namespace) -> None:
         run_static(hf_static, warm, args.static_chunk)
 
     prof = profile_steps(engine) if args.profile else None
+    ops = StepOpProfile(engine, decode_at(), steps=args.profile_steps)
     for rep in range(args.repeats):
         run = await run_ours(engine, workload, desc=f"ours #{rep + 1}")
         systems["ours"].add(run.elapsed, run.output_tokens, run.timings)
@@ -238,6 +247,9 @@ async def bench(args: argparse.Namespace) -> None:
             systems["static"].add(elapsed, n, [])
             line += f" | static {n / elapsed:7.1f} tok/s ({elapsed:.1f} s)"
         print(line, flush=True)
+    if prof is not None:  # a run of its own: the profiler slows the steps it watches
+        with ops:
+            await run_ours(engine, workload, desc="ours, profiled")
     await engine.stop()
 
     print(f"\nmedians over {args.repeats} repeat(s), output tokens per second:")
@@ -255,6 +267,11 @@ async def bench(args: argparse.Namespace) -> None:
         print("ours, per engine step (median):")
         for label, decode_only in (("decode-only steps", True), ("steps with prefill", False)):
             print(f"  {label}: {describe_steps(prof.summary(decode_only))}")
+        title = f"ours, decode-only steps ({args.dtype})"
+        summary = ops.summary()
+        print(report(title, summary))
+        context = {"bench": "throughput", "model": spec.describe(args.dtype), "machine": machine()}
+        write_json(args.profile_json, title, summary, **context)
     if not args.no_plot:
         plot(systems, args)
 
@@ -312,7 +329,19 @@ def main() -> None:
     p.add_argument("--skip-cb", action="store_true")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = default)")
-    p.add_argument("--profile", action="store_true", help="time schedule/prepare/execute per step")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time schedule/prepare/execute per step, and decode steps by op class",
+    )
+    p.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled")
+    p.add_argument(
+        "--profile-json",
+        type=Path,
+        default=RESULTS / "step-profiles" / "throughput.json",
+        help="where the op-class profile goes",
+    )
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args()
     if args.threads:

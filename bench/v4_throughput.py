@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import machine, median, quiet_logs
+from bench.step_profile import StepOpProfile, decode_at, report, write_json
 from bench.v4_common import (
     DeviceProfile,
     engine_threads,
@@ -290,6 +291,25 @@ async def bench(args: argparse.Namespace) -> None:
         print("agree = greedy tokens equal to transformers' (float noise can flip near-ties)")
 
         if args.profile:
+            ops = StepOpProfile(engine, decode_at(top), steps=args.profile_steps)
+            with ops:
+                await run_ours(
+                    engine, prompts(top, args.prompt_len, vocab, next(seed)), args.output_len
+                )
+            title = f"our engine, decode steps at {top} concurrent ({args.dtype})"
+            summary = ops.summary()
+            print()
+            print(report(title, summary))
+            context = {
+                "bench": "v4_throughput",
+                "model": describe(V4_BENCH, args.dtype),
+                "prompt_len": args.prompt_len,
+                "output_len": args.output_len,
+                "device": args.device,
+                "machine": machine(),
+            }
+            write_json(args.profile_json, title, summary, **context)
+        if args.cprofile:
             batch = prompts(top, args.prompt_len, vocab, next(seed))
             with (
                 DeviceProfile(engine, is_decode_step) as dec,
@@ -341,10 +361,25 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
+        help="then time one run of ours at the top concurrency by op class (torch.profiler)",
+    )
+    p.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled")
+    p.add_argument(
+        "--profile-json",
+        type=Path,
+        default=Path(__file__).parent / "results" / "step-profiles" / "v4_throughput.json",
+        help="where the op-class profile goes",
+    )
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
         help="then cProfile one run of ours at the top concurrency",
     )
     p.add_argument(
-        "--profile-top", type=int, default=0, help="also the N top functions by self time"
+        "--profile-top",
+        type=int,
+        default=0,
+        help="with --cprofile: also the N top functions by self time",
     )
     args = p.parse_args()
     asyncio.run(bench(args))

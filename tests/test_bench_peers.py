@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.peers import report
 from bench.peers.__main__ import main
+from bench.peers.floor import Floor, checkpoint_params, measure
 from bench.peers.servers import Launch, Server, ServerError
 from daemon.service.live_server import free_port
 from tests.checkpoints import make_dense_checkpoint
@@ -83,6 +85,8 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         (1, 3),
     ]
     assert [s["repeat"] for s in data["started"]] == [0, 1]
+    assert [p.name for p in sorted(out.glob("kv-store-r*"))] == ["kv-store-r0", "kv-store-r1"]
+    assert any(out.glob("kv-store-r0/**/*.kvb"))  # the store is on, as by default
     assert not any(_alive(s["pid"]) for s in data["started"])
     # every run of a started server sends fresh prompts (no prefix-cache hits across runs)
     configs = [json.loads(Path(r["result_json"]).read_text())["config"] for r in data["runs"]]
@@ -93,7 +97,7 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert (s["completed"], s["failed"]) == (3, 0)
         assert s["output_tokens"] == 3 * 4 and s["input_tokens"] == 3 * 16
         assert s["max_concurrency_seen"] <= r["concurrency"]
-        assert s["cached_tokens"] == 0  # no block store: nothing from an earlier server
+        assert s["cached_tokens"] == 0  # a fresh block store per server, fresh prompts per run
     rows = data["rows"]
     assert [(r["system"], r["concurrency"], r["repeats"]) for r in rows] == [
         ("deepinfer", 1, 2),
@@ -106,6 +110,13 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     table = (out / "table.md").read_text()
     assert table.count("| deepinfer |") == 2 and "| deepinfer | 3 |" in table
     assert "| 1.00× | 1.00× | 3 / 0 |" in table and table.strip() in printed
+    # the weight-read floor, measured in the run: fp32 weights at the copy rate
+    floor = data["floor"]
+    assert floor["copy_gb_s"] > 0 and floor["weight_bytes"]["float32"] == 4 * floor["params"]
+    for r in rows:
+        assert r["floor_tpot_ms"] == floor["tpot_ms"]["float32"] > 0
+        assert r["tpot_vs_floor"] == pytest.approx(r["tpot_p50_ms"] / r["floor_tpot_ms"])
+    assert "weight-read floor" in table and "float32" in table.splitlines()[-1]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
@@ -115,3 +126,52 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_peer_without_its_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--systems", "llamacpp", "--model", str(tmp_path)])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_floor_counts_the_weights_a_token_reads(tmp_path: Path, tied: bool) -> None:
+    """Every tensor once; an untied input embedding only as a row lookup, so not at all."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_dense_checkpoint(tmp_path, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    every = sum(p.numel() for p in model.parameters())  # a tied weight counted once
+    embed = model.get_input_embeddings().weight.numel()
+    params, dtype = checkpoint_params(path)
+    assert dtype == "float32"
+    assert params == (every if tied else every - embed)
+    floor = measure(path, None, "bfloat16", repeats=3)
+    assert floor is not None and floor.params == params
+    assert floor.weight_bytes == {"bfloat16": 2 * params, "float32": 4 * params}
+    for k, ms in floor.tpot_ms.items():
+        assert ms == pytest.approx(1e3 * floor.weight_bytes[k] / (floor.copy_gb_s * 1e9))
+    assert measure(path, None, "auto", repeats=3).weight_bytes["auto"] == 4 * params  # as stored
+
+
+def test_rows_against_the_floor_of_what_each_system_reads(tmp_path: Path) -> None:
+    floor = Floor(
+        20.0,
+        100,
+        {"bfloat16": 200, "float32": 400, "gguf": 60},
+        {"bfloat16": 10.0, "float32": 20.0, "gguf": 3.0},
+    )
+    summary = {
+        "completed": 4,
+        "failed": 0,
+        "output_throughput": 50.0,
+        "ttft_ms": {"median": 100.0, "p99": 120.0},
+        "tpot_ms": {"median": 30.0, "p99": 40.0},
+    }
+    runs = [
+        {"system": s, "concurrency": 1, "repeat": 0, "summary": summary}
+        for s in ("deepinfer", "vllm", "llamacpp")
+    ]
+    rows = {r.system: r for r in report.rows(runs, floor, "bfloat16")}
+    assert (rows["deepinfer"].floor_tpot_ms, rows["deepinfer"].tpot_vs_floor) == (10.0, 3.0)
+    assert (rows["vllm"].floor_tpot_ms, rows["vllm"].tpot_vs_floor) == (10.0, 3.0)
+    assert (rows["llamacpp"].floor_tpot_ms, rows["llamacpp"].tpot_vs_floor) == (3.0, 10.0)
+    table = report.table(list(rows.values()))
+    assert "| 4 / 0 | 10 ms | 3.00× |" in table and "| 4 / 0 | 3.0 ms | 10.00× |" in table
+    assert report.rows(runs)[0].tpot_vs_floor is None  # no floor: no column values
+    line = report.describe_floor(floor)
+    assert "20.0 GB/s" in line and "gguf 0 MB -> 3.0 ms" in line

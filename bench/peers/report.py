@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import median
+from bench.peers.floor import Floor
 
 BASELINE = "deepinfer"
 MISSING_MPL = "matplotlib not installed (the `bench` extra): no plot"
@@ -27,10 +28,13 @@ class Row:
     tpot_p99_ms: float
     ours_vs_tok_s: float | None = None  # deepinfer's output tok/s / this system's
     ours_vs_tpot: float | None = None  # this system's TPOT p50 / deepinfer's (>1: we are faster)
+    floor_tpot_ms: float | None = None  # the weight-read floor of what this system reads
+    tpot_vs_floor: float | None = None  # TPOT p50 / that floor (1.0: at the floor)
 
 
-def rows(runs: list[dict[str, Any]]) -> list[Row]:
-    """`runs`: {"system", "concurrency", "repeat", "summary"} each; medians over repeats."""
+def rows(runs: list[dict[str, Any]], floor: Floor | None = None, dtype: str = "") -> list[Row]:
+    """`runs`: {"system", "concurrency", "repeat", "summary"} each; medians over repeats;
+    with a `floor`, each row's TPOT against the floor of the weights it reads in `dtype`."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["system"], r["concurrency"]), []).append(r["summary"])
@@ -55,23 +59,45 @@ def rows(runs: list[dict[str, Any]]) -> list[Row]:
         if (b := base.get(r.concurrency)) is not None:
             r.ours_vs_tok_s = _ratio(b.output_tok_s, r.output_tok_s)
             r.ours_vs_tpot = _ratio(r.tpot_p50_ms, b.tpot_p50_ms)
+        if floor is not None and (f := floor.for_system(r.system, dtype)) is not None:
+            r.floor_tpot_ms, r.tpot_vs_floor = f, _ratio(r.tpot_p50_ms, f)
     return sorted(out, key=lambda r: (r.concurrency, r.system != BASELINE, r.system))
 
 
 def table(rs: list[Row]) -> str:
     head = (
         "| system | conc. | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | "
-        "deepinfer ÷ system, tok/s | system ÷ deepinfer, TPOT p50 | completed / failed |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "deepinfer ÷ system, tok/s | system ÷ deepinfer, TPOT p50 | completed / failed | "
+        "floor TPOT | TPOT p50 ÷ floor |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in rs:
         lines.append(
             f"| {r.system} | {r.concurrency} | {r.output_tok_s:.1f} | {_ms(r.ttft_p50_ms)} | "
             f"{_ms(r.ttft_p99_ms)} | {_ms(r.tpot_p50_ms)} | {_ms(r.tpot_p99_ms)} | "
-            f"{_x(r.ours_vs_tok_s)} | {_x(r.ours_vs_tpot)} | {r.completed} / {r.failed} |"
+            f"{_x(r.ours_vs_tok_s)} | {_x(r.ours_vs_tpot)} | {r.completed} / {r.failed} | "
+            f"{_ms(r.floor_tpot_ms)} | {_x(r.tpot_vs_floor)} |"
         )
     return "\n".join(lines)
+
+
+def markdown(rs: list[Row], floor: Floor | None) -> str:
+    """The table, then the floor's line."""
+    return table(rs) + "\n\n" + describe_floor(floor)
+
+
+def describe_floor(floor: Floor | None) -> str:
+    """One line: the copy rate and each format's weight bytes and floor TPOT."""
+    if floor is None:
+        return "weight-read floor: no checkpoint to count"
+    parts = ", ".join(
+        f"{k} {floor.weight_bytes[k] / 1e6:.0f} MB -> {v:.1f} ms" for k, v in floor.tpot_ms.items()
+    )
+    return (
+        f"weight-read floor (weights a token reads / {floor.copy_gb_s:.1f} GB/s, this machine's "
+        f"copy rate in this run): {parts}"
+    )
 
 
 def plot(rs: list[Row], path: Path, title: str) -> bool:
@@ -114,8 +140,8 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b and b == b and a == a else None  # x == x: not NaN
 
 
-def _ms(v: float) -> str:
-    return "–" if v != v else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
+def _ms(v: float | None) -> str:
+    return "–" if v is None or v != v else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
 
 
 def _x(v: float | None) -> str:

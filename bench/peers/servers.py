@@ -38,14 +38,18 @@ class Launch:
     cwd: Path = ROOT
 
 
-def deepinfer_launch(model: Path, port: int, dtype: str, extra: list[str]) -> Launch:
-    """No block store: the default one on disk outlives the process, and an earlier run's
-    blocks would turn this run's prompts into prefix hits that the peers cannot have. KV memory
-    as vLLM's (4 GiB: 64 requests of 384 tokens need more than the default 1 GiB in fp32)."""
+def deepinfer_launch(
+    model: Path, port: int, dtype: str, extra: list[str], store: Path | None = None
+) -> Launch:
+    """The block store on, as by default, in `store`: a directory of this server's own (the
+    default one outlives the process, and an earlier run's blocks would turn this run's
+    prompts into prefix hits that the peers cannot have); None: `--no-kv-store`. KV memory as
+    vLLM's (4 GiB: 64 requests of 384 tokens need more than the default 1 GiB in fp32)."""
     name = "deepinfer-bench"
     argv = [sys.executable, "-m", "daemon", "serve", "--model", str(model), "--dtype", dtype]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", name]
-    argv += ["--no-kv-store", "--kv-cache-memory-gb", VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"], *extra]
+    argv += ["--kv-store-dir", str(store)] if store is not None else ["--no-kv-store"]
+    argv += ["--kv-cache-memory-gb", VLLM_ENV["VLLM_CPU_KVCACHE_SPACE"], *extra]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return Launch("deepinfer", argv, name, {"PYTHONPATH": path})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import structlog
 import torch
@@ -36,17 +37,63 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+# /proc/cpuinfo flags of instructions that compute bf16 natively (x86: AVX512-BF16, AMX-BF16;
+# aarch64: FEAT_BF16); without one, torch emulates bf16 arithmetic in fp32 at a loss
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
+    """The native-bf16 flags this CPU reports (BF16_FLAGS order); elsewhere than Linux, what
+    torch's own probe of AVX512-BF16 / AMX says."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        probes = (
+            ("avx512_bf16", "_is_avx512_bf16_supported"),
+            ("amx_bf16", "_is_amx_tile_supported"),
+        )
+        return tuple(f for f, probe in probes if getattr(torch.cpu, probe, lambda: False)())
+    flags: set[str] = set()
+    for line in text.splitlines():  # x86 says "flags", aarch64 "Features"
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return tuple(f for f in BF16_FLAGS if f in flags)
+
+
+def resolve_dtype(
+    name: str,
+    checkpoint_dtype: str | None,
+    device: torch.device,
+    cpu_bf16: tuple[str, ...] | None = None,
+) -> torch.dtype:
+    """`name`, or for "auto" the checkpoint's dtype, but on a CPU: bf16 for a bf16 (or
+    quantized) checkpoint where the CPU computes bf16 natively (`cpu_bf16`: its flags, None =
+    read them), else fp32; a float32 checkpoint is served in float32 as stored."""
     if name != "auto":
         if name not in _DTYPES:
             raise ValueError(f"unknown dtype {name!r}; use {_one_of(DTYPES)}")
         return _DTYPES[name]
     dtype = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-    if device.type == "cpu" and dtype != torch.float32:
-        # Half precision on CPU is slow without AMX and loses accuracy; serve in fp32.
-        log.info("cpu_dtype_upcast", checkpoint_dtype=checkpoint_dtype, dtype="float32")
-        return torch.float32
-    return dtype
+    if device.type != "cpu":
+        return dtype
+    flags = cpu_bf16_flags() if cpu_bf16 is None else cpu_bf16
+    if dtype == torch.bfloat16 and flags:
+        chosen, why = torch.bfloat16, "bf16 checkpoint, native bf16 on this CPU"
+    elif dtype == torch.bfloat16:
+        chosen, why = torch.float32, "no native bf16 on this CPU: torch would emulate it"
+    elif dtype == torch.float16:
+        chosen, why = torch.float32, "float16 is slow on a CPU"
+    else:
+        chosen, why = torch.float32, "float32 checkpoint, served as stored"
+    log.info(
+        "cpu_dtype",
+        checkpoint_dtype=checkpoint_dtype,
+        dtype=str(chosen).removeprefix("torch."),
+        why=why,
+        native_bf16=list(flags),
+    )
+    return chosen
 
 
 def _one_of(names: tuple[str, ...]) -> str:

@@ -2,8 +2,9 @@
 FUSE mount in production, a local directory by default), shared by every daemon using it.
 
 Writes publish atomically (temporary name, optional fsync, rename), so concurrent writers of
-one block and readers never see a torn file. I/O runs on a bounded thread pool; reads of a
-chain go out in growing batches (prefetching the blocks after the first) and stop at a miss.
+one block and readers never see a torn file. I/O runs on bounded thread pools, writes on a
+few threads of lower priority of their own; reads of a chain go out in growing batches
+(prefetching the blocks after the first) and stop at a miss.
 A read that has not returned by its deadline (a hung network file system) is a miss too.
 """
 
@@ -33,6 +34,9 @@ log = structlog.get_logger(__name__)
 
 SUFFIX = ".kvb"
 TMP_MARK = ".tmp."
+# Writes wait on nobody: their threads run at this much lower priority, so that a burst of
+# them (a prefill's blocks) does not take cores (and the GIL) from the forward's threads.
+WRITER_NICE = 10
 
 
 @dataclass
@@ -68,6 +72,7 @@ class BlockStore:
         *,
         fsync: bool = False,
         io_threads: int = 8,
+        write_threads: int | None = None,
         max_prefetch: int = 16,
         max_pending_writes: int = 1024,
         touch_interval_s: float = 3600.0,
@@ -81,7 +86,10 @@ class BlockStore:
         self.max_prefetch, self.max_pending_writes = max_prefetch, max_pending_writes
         self.touch_interval_s, self.retry_writes_after_s = touch_interval_s, retry_writes_after_s
         self.read_timeout_s, self.flush_timeout_s = read_timeout_s, flush_timeout_s
-        self.pool = IoPool(io_threads, "kvstore")
+        self.pool = IoPool(io_threads, "kvstore")  # reads (a request waits), touches, sweeps
+        # writes: a quarter of the threads (None), niced
+        writers = max(1, io_threads // 4) if write_threads is None else write_threads
+        self.writer = IoPool(writers, "kvstore-write", nice=WRITER_NICE)
         self.counters = StoreCounters()
         self.usage: StoreUsage | None = None  # unknown until the first sweep
         self._pending: set[Future[bool]] = set()
@@ -246,7 +254,7 @@ class BlockStore:
         if len(self._pending) >= self.max_pending_writes:
             self.counters.dropped_writes += 1
             return
-        future = self.pool.submit(self.write, key, payload, traffic_class)
+        future = self.writer.submit(self.write, key, payload, traffic_class)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
 
@@ -267,7 +275,10 @@ class BlockStore:
 
     def close(self) -> None:
         """Stops the I/O threads; one stuck in the file system is left behind (and logged)."""
+        deadline = time.monotonic() + self.read_timeout_s
         stuck = self.pool.shutdown(wait=True, cancel_futures=True, timeout=self.read_timeout_s)
+        left = max(0.0, deadline - time.monotonic())
+        stuck += self.writer.shutdown(wait=True, cancel_futures=True, timeout=left)
         if stuck:
             log.warning("kv_store_io_stuck", dir=str(self.dir), threads=len(stuck))
 

@@ -3,7 +3,10 @@ are daemon threads, so neither shutdown nor the interpreter's exit waits on a st
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +17,10 @@ _Job = tuple[Future, Callable[..., Any], tuple, dict] | None
 
 
 class IoPool(Executor):
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
+        """`nice`: added to the threads' scheduling niceness (Linux: per thread), so that work
+        nobody waits on yields the cores to the forward's."""
+        self._nice = nice
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._closed = False
         self._threads = [
@@ -55,6 +61,12 @@ class IoPool(Executor):
         return [t.name for t in self._threads if t.is_alive()]
 
     def _work(self) -> None:
+        if self._nice and sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError):
+                tid = threading.get_native_id()
+                os.setpriority(
+                    os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice
+                )
         while (job := self._jobs.get()) is not None:
             future, fn, args, kwargs = job
             if not future.set_running_or_notify_cancel():

@@ -26,7 +26,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # the weight applied in fp32, one rounding to bf16 (transformers rounds twice: 2^-7)
+        return (xf * self.weight).to(dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
