@@ -108,6 +108,12 @@ class ModelRunner:
         # decode steps by graph replay (or compiled); the cache pads them to the graphs' shapes
         graph_batch = max_num_seqs if decode_graphs and device.type in GRAPH_DEVICES else 0
         self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device, graph_batch)
+        self.graphs: DecodeGraphs | None = (
+            model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
+        )
+        if graph_batch and self.graphs is None:  # none on this device: a cache that pads nothing
+            del self.cache
+            self.cache = model.allocate_cache(kv_groups, num_blocks, device, 0)
         # the same cache where the model has a sliding window: only then does the prefix cache
         # make window saves and restores
         self.window: SlidingWindowCache | None = (
@@ -131,9 +137,6 @@ class ModelRunner:
         # launch returns before the device is done
         self.signals_launch = self.stream is not None
         self.after_forward = after_forward
-        self.graphs: DecodeGraphs | None = (
-            model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
-        )
 
     def warm_up(self) -> None:
         """Make the decode graphs of the common shapes now (at engine start), not on the first
