@@ -141,8 +141,16 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Make the decode graphs of the common shapes now (at engine start), not on the first
         steps that need them."""
-        if self.graphs is not None:
+        if self.graphs is None:
+            return
+        # with the device thread's thread count: compiled CPU kernels keep the one they saw
+        previous = torch.get_num_threads()
+        if self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        try:
             self.graphs.warm_up()
+        finally:
+            torch.set_num_threads(previous)
 
     # ---- host side (event loop thread) ---------------------------------------------------
 
