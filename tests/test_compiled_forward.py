@@ -1,6 +1,6 @@
 """The compiled CPU decode forward (daemon/models/compiled.py): greedy outputs equal the eager
 engine's, alone and batched, across batch sizes and KV widths, with mixed steps (eager) between
-them and prefix-cache hits; two graphs compiled at start and none after; inductor's code kept
+them and prefix-cache hits; one graph compiled at start and none after; inductor's code kept
 under deepinfer's cache directory."""
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ def test_compiled_steps_span_batches_and_widths(runs: tuple[Run, Run]) -> None:
 
 
 def test_graphs_are_made_at_start_only(runs: tuple[Run, Run]) -> None:
-    """The warm-up makes the two graphs (batch 1, any larger batch); serving makes none."""
+    """The warm-up makes the one graph; serving makes none."""
     compiled = runs[1]
-    assert compiled.graphs_at_start == 2
+    assert compiled.graphs_at_start == 1
     assert compiled.graphs_serving == 0
 
 

@@ -16,7 +16,9 @@ from daemon.models.attention import AttentionBatch, PagedKVCache
 
 log = structlog.get_logger(__name__)
 
-MIN_WIDTH = 2  # KV blocks: narrower tables are padded (a dim of 1 would get its own graph)
+# narrower steps are padded: a dim of 1 would get a graph of its own
+MIN_WIDTH = 2  # KV blocks
+MIN_ROWS = 2  # sequences
 
 
 def _layer_step(
@@ -38,12 +40,13 @@ def _layer_step(
 
 class CompiledDecode:
     """Decode-only steps through one compiled decoder layer that every layer calls with its own
-    weights and KV (inductor's code takes them as inputs): two graphs in all, batch 1 and any
-    larger batch, each over any KV width. Nothing is padded to buckets, so no step of up to
-    `max_batch` sequences misses and nothing compiles mid-serving after the warm-up. Whole-model
-    graphs took ~100 s of CPU each to compile for SmolLM2's 30 layers; one layer takes a few.
-    Mixed steps (prefill chunks, a Python list of varying length) run eagerly. Call from the
-    device thread."""
+    weights and KV (inductor's code takes them as inputs): one graph, dynamic in batch and KV
+    width. Nothing is padded to buckets, so no step of up to `max_batch` sequences misses and
+    nothing compiles mid-serving after the warm-up. A lone sequence is padded to two rows (a
+    dim of 1 would get a graph of its own; a bf16 GEMM of two rows is no slower than of one),
+    the padded row writing its KV to the scratch slot. Whole-model graphs took ~100 s of CPU
+    each to compile for SmolLM2's 30 layers; one layer takes a few. Mixed steps (prefill
+    chunks, a Python list of varying length) run eagerly. Call from the device thread."""
 
     def __init__(self, model: nn.Module, cache: PagedKVCache, max_batch: int) -> None:
         self.model, self.cache, self.max_batch = model, cache, max_batch
@@ -61,50 +64,50 @@ class CompiledDecode:
         n = batch.num_decodes
         if batch.prefills or n == 0 or n != input_ids.shape[0] or n > self.max_batch:
             return None
-        tables, mask = batch.decode_tables, batch.decode_mask
-        if tables.shape[1] < MIN_WIDTH:  # padded blocks are masked out
-            pad = MIN_WIDTH - tables.shape[1]
-            # plain tensors, as the host's others are: graphs are guarded on the dispatch keys
-            with torch.inference_mode(False):
+        slots, tables, mask = batch.slot_mapping, batch.decode_tables, batch.decode_mask
+        # plain tensors, as the host's others are: graphs are guarded on the dispatch keys
+        with torch.inference_mode(False):
+            if tables.shape[1] < MIN_WIDTH:  # padded blocks are masked out
+                pad = MIN_WIDTH - tables.shape[1]
                 tables = F.pad(tables, (0, pad))
                 mask = F.pad(mask, (0, pad * self.block_size))
-        model, slots = self.model, batch.slot_mapping
+            if n < MIN_ROWS:  # the padded row attends block 0's first slot, only read
+                pad = MIN_ROWS - n
+                input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+                slots = F.pad(slots, (0, pad), value=self.cache.scratch_slot)
+                tables = F.pad(tables, (0, 0, 0, pad))
+                idle = torch.zeros_like(mask[:1]).expand(pad, -1, -1, -1).clone()
+                idle[..., 0] = True
+                mask = torch.cat([mask, idle])
+        model = self.model
         x = model.embed_tokens(input_ids)
-        _mark_dynamic(n, x, positions, slots, tables, mask)
-        for layer, (k, v) in zip(model.layers, self.cache.layers):
-            x = self.layer(layer, x, positions, slots, tables, mask, k, v, self.block_size)
-        return model.norm(x)
-
-    def warm_up(self) -> None:
-        """Compile both graphs (or load them from the on-disk caches) on idle inputs that
-        write only the scratch slot; logs what was compiled and how long it took."""
-        sizes = sorted({1, min(2, self.max_batch)})
-        device = self.cache.layers[0][0].device
-        long = dict(dtype=torch.long, device=device)
-        for size in tqdm(sizes, desc="compiling the decode forward", unit="graph", leave=False):
-            start = time.perf_counter()
-            width = MIN_WIDTH * self.block_size
-            mask = torch.zeros(size, 1, 1, width, dtype=torch.bool, device=device)
-            mask[..., 0] = True
-            slots = torch.full((size,), self.cache.scratch_slot, **long)
-            tables = torch.zeros(size, MIN_WIDTH, **long)
-            batch = AttentionBatch(slots, size, tables, mask, [], self.block_size)
-            tokens, positions = torch.zeros(size, **long), torch.zeros(size, **long)
-            with torch.inference_mode():  # as the runner's: its inputs made outside
-                self.run(tokens, positions, batch)
-            log.info(
-                "decode_forward_compiled",
-                batch="1" if size == 1 else f"2..{self.max_batch}",
-                kv_blocks=f"{MIN_WIDTH}..{self.max_width}",
-                seconds=round(time.perf_counter() - start, 2),
-            )
-
-
-def _mark_dynamic(n: int, x: torch.Tensor, *metadata: torch.Tensor) -> None:
-    """Dynamic dims: the batch where above one, the KV width always."""
-    positions, slots, tables, mask = metadata
-    if n > 1:
         for t in (x, positions, slots, tables, mask):
             torch._dynamo.mark_dynamic(t, 0)
-    torch._dynamo.mark_dynamic(tables, 1)
-    torch._dynamo.mark_dynamic(mask, 3)
+        torch._dynamo.mark_dynamic(tables, 1)
+        torch._dynamo.mark_dynamic(mask, 3)
+        for layer, (k, v) in zip(model.layers, self.cache.layers):
+            x = self.layer(layer, x, positions, slots, tables, mask, k, v, self.block_size)
+        return model.norm(x[:n])
+
+    def warm_up(self) -> None:
+        """Compile the graph (or load it from the on-disk caches) on an idle batch that writes
+        only the scratch slot; logs how long that took."""
+        device = self.cache.layers[0][0].device
+        long = dict(dtype=torch.long, device=device)
+        start = time.perf_counter()
+        mask = torch.zeros(1, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=device)
+        mask[..., 0] = True
+        slots = torch.full((1,), self.cache.scratch_slot, **long)
+        tables = torch.zeros(1, MIN_WIDTH, **long)
+        batch = AttentionBatch(slots, 1, tables, mask, [], self.block_size)
+        tokens, positions = torch.zeros(1, **long), torch.zeros(1, **long)
+        with tqdm(total=1, desc="compiling the decode forward", unit="graph", leave=False) as bar:
+            with torch.inference_mode():  # as the runner's: its inputs made outside
+                self.run(tokens, positions, batch)
+            bar.update()
+        log.info(
+            "decode_forward_compiled",
+            batch=f"1..{self.max_batch}",
+            kv_blocks=f"1..{self.max_width}",
+            seconds=round(time.perf_counter() - start, 2),
+        )
