@@ -15,6 +15,7 @@ from daemon.build.engine import build_engine
 from daemon.kv.spec import FullAttentionSpec
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import PagedKVCache
+from daemon.models.dense import DenseForCausalLM
 from daemon.models.graphs import (
     PagedDecodeGraphs,
     StaticInputs,
@@ -57,14 +58,16 @@ class EagerRecording(PagedDecodeGraphs):
         return (lambda: hidden.copy_(forward())), hidden
 
 
-async def test_static_buffers_give_the_eager_tokens(tmp_path: Path) -> None:
+async def test_static_buffers_give_the_eager_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batches that shrink and grow across buckets reuse buffers that earlier, larger batches
     filled; padded rows must neither disturb real rows nor write into the pool's blocks."""
     checkpoint = make_dense_checkpoint(tmp_path, "llama")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 500, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     eager = await _run(checkpoint, prompts, "cpu", None)
-    staged = await _run(checkpoint, prompts, "cpu", EagerRecording)
+    staged = await _run(checkpoint, prompts, "cpu", EagerRecording, monkeypatch)
     assert staged[:2] == eager[:2]
     assert len({size for size, _ in staged[2]}) > 1 and len({w for _, w in staged[2]}) > 1
 
@@ -75,9 +78,20 @@ PROMPT_LENGTHS = [3, 17, 40, 64, 90, 5, 33, 120, 7]
 
 
 async def _run(
-    checkpoint: Path, prompts: list[list[int]], device: str, graphs: type[PagedDecodeGraphs] | None
+    checkpoint: Path,
+    prompts: list[list[int]],
+    device: str,
+    graphs: type[PagedDecodeGraphs] | None,
+    monkeypatch: pytest.MonkeyPatch | None = None,
 ) -> tuple:
     """(batched outputs, each prompt again alone, the graph keys captured)."""
+    if graphs is not None and device == "cpu":  # the model's own on a CPU: the compiled forward
+        assert monkeypatch is not None
+        monkeypatch.setattr(
+            DenseForCausalLM,
+            "decode_graphs",
+            lambda model, cache, device, max_batch: graphs(model, cache, device, max_batch),
+        )
     engine, _ = build_engine(
         EngineConfig(
             model=str(checkpoint),
@@ -88,8 +102,6 @@ async def _run(
         )
     )
     runner = engine.runner
-    if graphs is not None and device == "cpu":
-        runner.graphs = graphs(runner.model, runner.cache, runner.device, 16)
     await engine.start()
 
     async def one(prompt: list[int]) -> list[int]:

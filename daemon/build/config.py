@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 DEVICES = ("auto", "cpu", "cuda", "npu")  # auto: cuda when torch sees one, else cpu
@@ -25,7 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the checkpoint's max_position_embeddings
     # None: on with an accelerator; on a CPU only where the forward leaves a core to the loop
     overlap: bool | None = None
-    enforce_eager: bool = False  # no CUDA graphs (they replay decode steps on cuda)
+    # every step eager: no CUDA graphs (cuda), no compiled decode forward (cpu); by default
+    # as DEEPINFER_ENGINE_ENFORCE_EAGER says (the test suite sets it)
+    enforce_eager: bool = field(default_factory=lambda: _env_flag("DEEPINFER_ENGINE_ENFORCE_EAGER"))
     cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
     seed: int = 0
     prefix_caching: bool = True
@@ -50,3 +53,7 @@ class EngineConfig:
     moe_stats_interval: int = 1000  # steps between expert-load samples
     moe_rebalance_interval: int = 10000  # steps between placements (0 = only on command)
     moe_stats_window: int = 10  # samples the placement looks at
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")

@@ -14,6 +14,7 @@ from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
+from daemon.build.paths import compile_cache_dir
 from daemon.build.startup import failing_as
 from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
@@ -61,6 +62,8 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     with failing_as("KV cache", KVBudgetTooSmall):
         num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
+    # inductor's code (the compiled CPU forward) is kept with ours unless told otherwise
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
     overlap = resolve_overlap(cfg, device, cpu_threads)
     # before the runner: it takes the listener, and EP drops others' experts before the KV cache
     moe = moe_controller(cfg, model, device)
@@ -72,9 +75,10 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         cfg.max_num_seqs,
         cfg.seed,
         cpu_threads,
-        cuda_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
+        decode_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
         after_forward=forward_listener(moe),
     )
+    runner.warm_up()
     # the tier moves' queue takes the demotions of the blocks the KV manager reuses
     queue = _tier_queue(cfg, runner) if cfg.prefix_caching else None
     kv = KVManager(groups, kv_memory, cfg.max_num_seqs, queue.demote if queue else None)
@@ -116,7 +120,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         kv_capacity_tokens=kv.capacity_tokens(),
         max_model_len=max_model_len,
         overlap=overlap,
-        cuda_graphs=runner.graphs is not None,
+        decode_graphs=type(runner.graphs).__name__ if runner.graphs else None,
         host_cache_gb=cfg.host_cache_memory_gb if prefix else 0,
         kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
     )

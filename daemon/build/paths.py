@@ -1,4 +1,5 @@
-"""Where deepinfer keeps files between runs (the demo checkpoint, the default block store)."""
+"""Where deepinfer keeps files between runs (the demo checkpoint, the default block store,
+compiled code)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,9 @@ def cache_dir() -> Path:
 def default_store_dir() -> Path:
     """The block store of a daemon told no other (`kv_store_dir = ""` turns it off)."""
     return cache_dir() / "kv-store"
+
+
+def compile_cache_dir() -> Path:
+    """inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, where that is not set): a restart
+    loads the compiled forward instead of compiling it again."""
+    return cache_dir() / "inductor"

@@ -42,7 +42,7 @@ from daemon.models.base import (
 )
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows of full-vocabulary logits held at once
-GRAPH_DEVICES = ("cuda",)  # device types whose decode steps replay captured graphs
+GRAPH_DEVICES = ("cuda", "cpu")  # device types whose models are asked for decode graphs
 
 
 @dataclass
@@ -97,16 +97,23 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int = 0,
         cpu_threads: int = 0,
-        cuda_graphs: bool = False,
+        decode_graphs: bool = False,
         after_forward: Callable[[], None] | None = None,
     ) -> None:
-        """`after_forward`: called on the device thread after each forward (the MoE load
-        statistics)."""
+        """`decode_graphs`: ask the model for its decode graphs (CUDA graphs on cuda, a
+        compiled forward on a CPU; a model may have none). `after_forward`: called on the
+        device thread after each forward (the MoE load statistics)."""
         self.model = model
         self.device = device
-        # decode steps by graph replay; the cache pads them to the graphs' shapes
-        graph_batch = max_num_seqs if cuda_graphs and device.type in GRAPH_DEVICES else 0
+        # decode steps by graph replay (or compiled); the cache pads them to the graphs' shapes
+        graph_batch = max_num_seqs if decode_graphs and device.type in GRAPH_DEVICES else 0
         self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device, graph_batch)
+        self.graphs: DecodeGraphs | None = (
+            model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
+        )
+        if graph_batch and self.graphs is None:  # none on this device: a cache that pads nothing
+            del self.cache
+            self.cache = model.allocate_cache(kv_groups, num_blocks, device, 0)
         # the same cache where the model has a sliding window: only then does the prefix cache
         # make window saves and restores
         self.window: SlidingWindowCache | None = (
@@ -130,9 +137,20 @@ class ModelRunner:
         # launch returns before the device is done
         self.signals_launch = self.stream is not None
         self.after_forward = after_forward
-        self.graphs: DecodeGraphs | None = (
-            model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
-        )
+
+    def warm_up(self) -> None:
+        """Make the decode graphs of the common shapes now (at engine start), not on the first
+        steps that need them."""
+        if self.graphs is None:
+            return
+        # with the device thread's thread count: compiled CPU kernels keep the one they saw
+        previous = torch.get_num_threads()
+        if self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            self.graphs.warm_up()
+        finally:
+            torch.set_num_threads(previous)
 
     # ---- host side (event loop thread) ---------------------------------------------------
 

@@ -125,7 +125,12 @@ class SlidingWindowCache(ModelCache, Protocol):
 
 
 class DecodeGraphs(Protocol):
-    """Captured decode forwards (CUDA graphs), replayed on the device thread."""
+    """Captured decode forwards (CUDA graphs) or compiled ones (a CPU), run on the device
+    thread."""
+
+    def warm_up(self) -> None:
+        """Make what the common steps need ahead of them (at engine start)."""
+        ...
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionMetadata

@@ -14,6 +14,7 @@ from torch import nn
 
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
+from daemon.models.compiled import CompiledDecode
 from daemon.models.graphs import PagedDecodeGraphs
 from daemon.models.layers import RMSNorm, column_major, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
@@ -185,7 +186,9 @@ class DenseForCausalLM(nn.Module):
 
     def decode_graphs(
         self, cache: PagedKVCache, device: torch.device, max_batch: int
-    ) -> PagedDecodeGraphs:
+    ) -> PagedDecodeGraphs | CompiledDecode:
+        if device.type == "cpu":
+            return CompiledDecode(self, cache, max_batch)
         return PagedDecodeGraphs(self, cache, device, max_batch)
 
     def forward(

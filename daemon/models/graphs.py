@@ -73,6 +73,9 @@ class CapturedGraphs(Generic[Inputs, Cache]):
         self.graphs: dict[Hashable, Captured[Inputs]] = {}
         self.pool: tuple[int, int] | None = None
 
+    def warm_up(self) -> None:
+        """Nothing ahead: a graph is captured on the first step of its key, in milliseconds."""
+
     def _replay(
         self,
         key: Hashable,

@@ -146,7 +146,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         default=S,
-        help="run every step eagerly (no CUDA graphs for decode steps)",
+        help="run every step eagerly (no CUDA graphs, no compiled CPU forward for decode steps)",
     )
     g.add_argument("--dtype", default=S, help=" | ".join(DTYPES))
     g.add_argument("--device", default=S, help=" | ".join(DEVICES))

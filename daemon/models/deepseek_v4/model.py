@@ -94,8 +94,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         )
         return V4Cache(self.cfg, groups, num_blocks, device, shapes)
 
-    def decode_graphs(self, cache: V4Cache, device: torch.device, max_batch: int) -> V4DecodeGraphs:
-        return V4DecodeGraphs(self, cache, device)
+    def decode_graphs(
+        self, cache: V4Cache, device: torch.device, max_batch: int
+    ) -> V4DecodeGraphs | None:
+        return V4DecodeGraphs(self, cache, device) if device.type == "cuda" else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: V4Batch, cache: V4Cache
