@@ -126,3 +126,48 @@ def test_graphs_are_made_at_start_only(runs: tuple[Run, Run]) -> None:
 
 def test_inductor_code_lies_in_the_cache_directory(runs: tuple[Run, Run], cache_root: Path) -> None:
     assert any((cache_root / "inductor").rglob("*.py"))
+
+
+_WITHOUT_COMPILER = """
+import asyncio, sys
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
+from daemon.loop.request import SamplingParams
+engine, _ = build_engine(EngineConfig(model=sys.argv[1], kv_cache_memory_gb=0.05, max_num_seqs=2))
+assert engine.runner.graphs.failed
+
+async def main():
+    await engine.start()
+    try:
+        p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        return [t async for o in engine.generate([5, 6, 7], p) for t in o.new_token_ids]
+    finally:
+        await engine.stop()
+
+print("tokens", len(asyncio.run(main())))
+"""
+
+
+def test_without_a_cxx_compiler_the_engine_serves_eagerly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.daemons import ROOT, checkout_env
+
+    checkpoint = make_dense_checkpoint(tmp_path / "m", "llama")
+    env = checkout_env() | {
+        "DEEPINFER_ENGINE_ENFORCE_EAGER": "0",
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_COMPILER, str(checkpoint)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens 4" in done.stdout
+    assert "decode_forward_not_compiled" in done.stdout + done.stderr

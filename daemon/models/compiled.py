@@ -55,6 +55,7 @@ class CompiledDecode:
         self.layer: Callable[..., torch.Tensor] = torch.compile(
             _layer_step, dynamic=False, fullgraph=True
         )
+        self.failed = False  # the warm-up could not compile (no C++ compiler...): all eager
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
@@ -62,7 +63,9 @@ class CompiledDecode:
         """The hidden states [B, hidden] of a decode-only step; None when the step has prefill
         chunks or more sequences than the engine runs (run it eagerly)."""
         n = batch.num_decodes
-        if batch.prefills or n == 0 or n != input_ids.shape[0] or n > self.max_batch:
+        if self.failed or batch.prefills or n == 0 or n != input_ids.shape[0]:
+            return None
+        if n > self.max_batch:
             return None
         slots, tables, mask = batch.slot_mapping, batch.decode_tables, batch.decode_mask
         # plain tensors, as the host's others are: graphs are guarded on the dispatch keys
@@ -102,8 +105,13 @@ class CompiledDecode:
         batch = AttentionBatch(slots, 1, tables, mask, [], self.block_size)
         tokens, positions = torch.zeros(1, **long), torch.zeros(1, **long)
         with tqdm(total=1, desc="compiling the decode forward", unit="graph", leave=False) as bar:
-            with torch.inference_mode():  # as the runner's: its inputs made outside
-                self.run(tokens, positions, batch)
+            try:
+                with torch.inference_mode():  # as the runner's: its inputs made outside
+                    self.run(tokens, positions, batch)
+            except Exception as e:  # inductor's errors have no common base; serve eagerly
+                self.failed = True
+                log.warning("decode_forward_not_compiled", error=f"{type(e).__name__}: {e}"[:500])
+                return
             bar.update()
         log.info(
             "decode_forward_compiled",
