@@ -185,11 +185,11 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Writes k, v, returns [T, Hq, D]."""
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     b = batch.num_decodes
+    decoded = None
     if b and paged_attention_cpu.supports(q, k_cache):
-        out[:b] = paged_attention_cpu.paged_decode_attention(
+        decoded = paged_attention_cpu.paged_decode_attention(
             q[:b],
             k_cache,
             v_cache,
@@ -199,7 +199,7 @@ def paged_attention(
             batch.block_size,
         )
     elif b:
-        out[:b] = paged_attention_cpu.paged_decode_reference(
+        decoded = paged_attention_cpu.paged_decode_reference(
             q[:b],
             k_cache,
             v_cache,
@@ -208,6 +208,11 @@ def paged_attention(
             scale,
             batch.block_size,
         )
+    if decoded is not None and b == q.shape[0]:
+        return decoded  # a decode-only step
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:b] = decoded
     for p in batch.prefills:
         qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, n, D]
         if p.kv_index is None:

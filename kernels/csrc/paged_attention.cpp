@@ -162,6 +162,20 @@ struct QueryRegs<at::BFloat16, D> {
   }
 };
 
+// acc[g] += sum_j probs[g][j] * v_j over the chunk's n rows, in fp32.
+template <typename T, int D, int G>
+inline void accumulate_v(__m512 (&acc)[G][D / 16], const float (&probs)[G][kChunk],
+                         const T* vrow, int n, int64_t row_stride) {
+  for (int j = 0; j < n; ++j, vrow += row_stride) {
+    __m512 vr[D / 16];
+    load_row<D>(vrow, vr);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g][j]);
+      for (int i = 0; i < D / 16; ++i) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
+    }
+  }
+}
+
 template <typename T, int D, int G>
 void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int64_t b,
                    int64_t begin, int64_t end, float* state, int64_t head_step) {
@@ -219,14 +233,7 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
         l[g] += _mm512_reduce_add_ps(p);
       }
       const T* vrow = vc + (first * hkv + h) * D;
-      for (int j = 0; j < n; ++j, vrow += row_stride) {
-        __m512 vr[V];
-        load_row<D>(vrow, vr);
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(probs[g][j]);
-          for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
-        }
-      }
+      accumulate_v<T, D, G>(acc, probs, vrow, n, row_stride);
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * D + 16 * i, acc[g][i]);
     }
@@ -267,6 +274,35 @@ AttendFn<T> pick_kernel(int64_t dim, int64_t group) {
 inline void store_out(float x, float* p) { *p = x; }
 inline void store_out(float x, at::BFloat16* p) { *p = at::BFloat16(x); }
 
+// out[g] = sum over pieces of e^(m_s - m) acc_s / sum of e^(m_s - m) l_s, for the `pieces`
+// states of one (sequence, KV head), `stride` floats apart.
+constexpr int64_t kMaxPieces = 64;
+
+// out[g] = sum over pieces of e^(m_s - m) acc_s / sum of e^(m_s - m) l_s, for the `pieces`
+// (<= kMaxPieces) states of one (sequence, KV head), `stride` floats apart.
+template <typename T>
+void merge(const float* st, int64_t pieces, int64_t stride, int64_t G, int64_t D, T* out) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float w[kMaxPieces];
+  for (int64_t g = 0; g < G; ++g) {
+    float m = kNegInf;
+    for (int64_t s = 0; s < pieces; ++s) m = std::max(m, st[s * stride + G * D + g]);
+    float l = 0.f;
+    for (int64_t s = 0; s < pieces; ++s) {
+      const float ms = st[s * stride + G * D + g];
+      w[s] = ms == kNegInf ? 0.f : std::exp(ms - m);  // an empty piece weighs nothing
+      l += w[s] * st[s * stride + G * (D + 1) + g];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* dst = out + g * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float acc = 0.f;
+      for (int64_t s = 0; s < pieces; ++s) acc += w[s] * st[s * stride + g * D + d];
+      store_out(acc * inv, dst + d);
+    }
+  }
+}
+
 template <typename T>
 void run(const Problem& pb, const T* q, const T* kc, const T* vc, T* o, int64_t batch,
          int64_t splits, bool use_generic) {
@@ -289,31 +325,15 @@ void run(const Problem& pb, const T* q, const T* kc, const T* vc, T* o, int64_t 
         std::fill(st + G * (D + 1), st + stride, 0.f);
       }
       if (begin < end) attend(pb, q + b * hkv * G * D, kc, vc, b, begin, end, state, splits * stride);
+      if (splits == 1)  // the only piece: normalise now
+        for (int64_t h = 0; h < hkv; ++h)
+          merge(state + h * stride, 1, stride, G, D, o + (b * hkv + h) * G * D);
     }
   });
-  // merge the pieces of each (sequence, KV head) and normalise
+  if (splits == 1) return;
   at::parallel_for(0, batch * hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(D);
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      for (int64_t g = 0; g < G; ++g) {
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < splits; ++s)
-          m = std::max(m, states[(bh * splits + s) * stride + G * D + g]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float l = 0.f;
-        for (int64_t s = 0; s < splits; ++s) {
-          const float* st = states.data() + (bh * splits + s) * stride;
-          const float ms = st[G * D + g];
-          if (ms == -std::numeric_limits<float>::infinity()) continue;
-          const float w = std::exp(ms - m);
-          l += w * st[G * (D + 1) + g];
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * st[g * D + d];
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        T* dst = o + (bh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, dst + d);
-      }
-    }
+    for (int64_t bh = lo; bh < hi; ++bh)
+      merge(states.data() + bh * splits * stride, splits, stride, G, D, o + bh * G * D);
   });
 }
 
@@ -361,6 +381,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   Problem pb{hkv, hq / hkv, dim, block_size, max_blocks, static_cast<float>(scale),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
   if (splits <= 0) splits = choose_splits(batch, max_blocks, 64 / block_size + 1);
+  splits = std::min(splits, kMaxPieces);
   if (q.scalar_type() == at::kFloat) {
     run<float>(pb, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                out.data_ptr<float>(), batch, splits, generic);
