@@ -1,5 +1,6 @@
-"""Builds the C++ CPU kernels in kernels/csrc once, through torch's extension loader, and keeps
-them under a cache directory (TORCH_EXTENSIONS_DIR, else $DEEPINFER_CACHE/torch-extensions)."""
+"""Builds the C++ CPU kernels in kernels/csrc once, as one library, through torch's extension
+loader, and keeps it under a cache directory (TORCH_EXTENSIONS_DIR, else
+$DEEPINFER_CACHE/torch-extensions)."""
 
 from __future__ import annotations
 
@@ -26,21 +27,21 @@ def extensions_dir() -> Path:
 
 
 @functools.cache
-def load(name: str) -> None:
-    """Load the operators of csrc/<name>.cpp into torch (compiled on first use, ~30 s; later
-    runs load the cached library, which torch rebuilds when the source or flags change)."""
+def load() -> None:
+    """Load the operators of csrc/*.cpp into torch (compiled on first use, ~40 s; later runs
+    load the cached library, which torch rebuilds when a source or the flags change)."""
     from torch.utils import cpp_extension
 
-    build = extensions_dir() / name
+    build = extensions_dir() / "cpu_kernels"
     build.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cpp_extension.load(
-        name=f"deepinfer_{name}",
-        sources=[str(SOURCES / f"{name}.cpp")],
+        name="deepinfer_cpu_kernels",
+        sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         is_python_module=False,
         verbose=False,
     )
-    log.info("cpu kernel loaded", kernel=name, seconds=round(time.perf_counter() - started, 2))
+    log.info("cpu kernels loaded", seconds=round(time.perf_counter() - started, 2))

@@ -67,7 +67,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def build() -> None:
     """Compile (or load from the cache) the C++ kernel now, e.g. while the engine starts: the
     op has no CPU implementation before."""
-    cpu_build.load("paged_attention")
+    cpu_build.load()
 
 
 # the C++ library registers the CPU kernel of this schema when it loads
