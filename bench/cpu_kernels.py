@@ -1,10 +1,12 @@
 """Our C++ CPU kernels against the torch path they replace, side by side in one process.
 
     python -m bench.cpu_kernels attention [--dtypes bf16 fp32 --batches 1 16 64 --contexts 256 512 1024]
+    python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
 64, blocks of 16 scattered over a pool), the C++ op vs gather + SDPA, alternating calls, medians.
+`sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating.
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
 after the last request's first token, over that window.
@@ -75,6 +77,38 @@ def attention(args: argparse.Namespace) -> None:
                 )
 
 
+def sampling(args: argparse.Namespace) -> None:
+    from daemon.loop.request import SamplingParams
+    from daemon.loop.sampler import SamplingBatch, sample
+    from kernels import sampling_cpu
+
+    print(f"sample(), vocab {args.vocab}, C++ sampler vs torch path, {machine()}")
+    print("batch  params                       kernel ms   torch ms  speed-up")
+    cases = {
+        "temperature 0.8": SamplingParams(temperature=0.8),
+        "top_k 50": SamplingParams(temperature=0.8, top_k=50),
+        "top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+        "top_k 40, top_p 0.95": SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+    }
+    for b in args.batches:
+        g = torch.Generator().manual_seed(b)
+        logits = 3 * torch.randn(b, args.vocab, generator=g)
+        for name, params in cases.items():
+            sb = SamplingBatch.build([params] * b, [0] * b, args.vocab)
+
+            def run(on: bool, sb=sb, logits=logits, g=g) -> object:
+                sampling_cpu.ENABLED = on
+                return sample(logits, sb, g)
+
+            t = median_us({"kernel": lambda: run(True), "torch": lambda: run(False)}, args.reps)
+            print(
+                f"{b:5d}  {name:26s} {t['kernel'] / 1e3:10.2f} {t['torch'] / 1e3:10.2f} "
+                f"{t['torch'] / t['kernel']:8.2f}x",
+                flush=True,
+            )
+        sampling_cpu.ENABLED = True
+
+
 def decode_tok_s(run) -> float:
     """Tokens produced after every request had its first token, per second of that window."""
     start = max(t.token_times[0] for t in run.timings)
@@ -130,6 +164,10 @@ def main() -> None:
     a.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     a.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
     a.add_argument("--reps", type=int, default=15)
+    s = sub.add_parser("sampling")
+    s.add_argument("--batches", nargs="+", type=int, default=[16, 64])
+    s.add_argument("--vocab", type=int, default=49152)
+    s.add_argument("--reps", type=int, default=9)
     e = sub.add_parser("engine")
     e.add_argument("--model", default="/tmp/smollm2-hf")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -143,6 +181,8 @@ def main() -> None:
     quiet_logs()
     if args.what == "attention":
         attention(args)
+    elif args.what == "sampling":
+        sampling(args)
     else:
         asyncio.run(engine_runs(args))
 
