@@ -90,11 +90,14 @@ def test_strided_query_is_read_as_given() -> None:
     torch.testing.assert_close(got, reference(q, kc, vc, tables, lens), atol=2e-6, rtol=2e-5)
 
 
-def test_bad_context_lengths_are_refused() -> None:
+def test_bad_context_lengths_and_blocks_are_refused() -> None:
     q, kc, vc, tables, _ = make_case([20, 50], 6, 2, 64, torch.float32, pad=0)
     for bad in ([0, 50], [20, tables.shape[1] * BLOCK + 1]):
         with pytest.raises(RuntimeError, match="context length"):
             paged_decode_attention(q, kc, vc, tables, torch.tensor(bad), 0.125, BLOCK)
+    tables[1, 0] = NUM_BLOCKS  # past the pool
+    with pytest.raises(RuntimeError, match="block id"):
+        paged_decode_attention(q, kc, vc, tables, torch.tensor([20, 50]), 0.125, BLOCK)
 
 
 def test_op_inside_torch_compile_fullgraph() -> None:

@@ -1,6 +1,7 @@
 // Paged decode attention on CPU that reads K/V blocks in place: one query token per sequence,
-// GQA, fp32 or bf16 caches, fp32 accumulation and an online softmax. Parallel over
-// (sequence, KV head, context split); the splits are merged at the end.
+// GQA, fp32 or bf16 caches, fp32 accumulation and an online softmax. Parallel over (sequence,
+// piece of its context); a task takes every KV head of each 16-token chunk in turn, so a
+// chunk's rows are read side by side. Pieces of one context are merged at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -375,8 +376,14 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   const int64_t max_blocks = tables.size(1);
   {
     const int64_t* lp = lens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b)
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int64_t pool = k_cache.size(0) / block_size;
+    for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * block_size, "context length out of range");
+      for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+        TORCH_CHECK(tp[b * max_blocks + i] >= 0 && tp[b * max_blocks + i] < pool,
+                    "block id out of range");
+    }
   }
   Problem pb{hkv, hq / hkv, dim, block_size, max_blocks, static_cast<float>(scale),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
