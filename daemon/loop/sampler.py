@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from daemon.loop.request import SamplingParams
+from kernels import sampling_cpu
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -135,6 +136,20 @@ def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.
     return g
 
 
+def _sample_cpu(
+    logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The C++ sampler: one uniform per row (a seeded row's from its own stream), the support
+    cut by a partial sort, the token by the inverse CDF (the torch path below sorts the whole
+    vocabulary and draws one exponential per token)."""
+    u = torch.rand(logits.shape[0], generator=generator)
+    for row, (p, idx) in enumerate(zip(sb.params, sb.sample_indices)):
+        if p.seed is not None and not p.greedy:
+            u[row] = torch.rand(1, generator=_row_generator(p.seed, idx, logits.device))[0]
+    weights = sampling_cpu.row_weights(logits, sb.temperature)
+    return sampling_cpu.sample_rows(weights, sb.top_k, sb.top_p, sb.min_p, u)
+
+
 def sample(
     logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None
 ) -> SampleResult:
@@ -142,6 +157,8 @@ def sample(
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy_tokens
+    elif sampling_cpu.ENABLED and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        tokens = torch.where(sb.greedy, greedy_tokens, _sample_cpu(logits, sb, generator))
     else:
         x = logits / sb.temperature[:, None]
         if sb.needs_top_k or sb.needs_top_p:

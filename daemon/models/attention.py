@@ -3,7 +3,9 @@
 
 Layout of one step:   [ d0 d1 ... dB | p0 p0 p0 p0 | p1 p1 ... ]
                         decode tokens   prefill chunks (variable length)
-Decodes are attended in one padded call; each prefill chunk in its own call.
+Decodes are attended in one call: on CPU by a kernel that reads the KV blocks in place
+(kernels/paged_attention_cpu.py), elsewhere by gathering them into a padded batch for SDPA;
+each prefill chunk in its own SDPA call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from daemon.kv.spec import FullAttentionSpec
 from daemon.models.base import KVExport, RequestState, SeqSlice
 from daemon.models.kv_transfer import export_blocks, import_blocks
+from kernels import paged_attention_cpu
 
 
 @dataclass
@@ -34,6 +37,8 @@ class AttentionBatch:
     decode_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     block_size: int = 16
+    # [B] context length of each decode; None: counted from decode_mask (a prefix per row)
+    decode_lens: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> AttentionBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -49,7 +54,14 @@ class AttentionBatch:
                 for p in self.prefills
             ],
             block_size=self.block_size,
+            decode_lens=move(self.decode_lens),
         )
+
+    def context_lens(self) -> torch.Tensor:
+        """[B] context length of each decode."""
+        if self.decode_lens is not None:
+            return self.decode_lens
+        return self.decode_mask.view(self.num_decodes, -1).sum(-1)
 
 
 class PagedKVCache:
@@ -71,6 +83,9 @@ class PagedKVCache:
             )
             for _ in range(spec.num_layers)
         ]
+        probe = torch.empty(0, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
+        if paged_attention_cpu.supports(probe, probe):
+            paged_attention_cpu.build()  # before any forward, compiled or eager, runs the op
 
     @property
     def scratch_slot(self) -> int:
@@ -154,6 +169,7 @@ def build_attention_batch(
         decode_mask=decode_mask,
         prefills=prefills,
         block_size=block_size,
+        decode_lens=lens,
     )
 
 
@@ -169,24 +185,34 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Writes k, v, returns [T, Hq, D]."""
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     b = batch.num_decodes
-    if b:
-        blocks = batch.decode_tables
-
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, Hkv, blocks * block_size, D]
-            paged = cache.view(-1, batch.block_size, *cache.shape[1:])
-            # index_select: on CPU several times faster than advanced indexing
-            rows = paged.index_select(0, blocks.flatten())
-            return rows.view(b, -1, *cache.shape[1:]).transpose(1, 2)
-
-        kd, vd = gather(k_cache), gather(v_cache)
-        qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa
+    decoded = None
+    if b and paged_attention_cpu.supports(q, k_cache):
+        decoded = paged_attention_cpu.paged_decode_attention(
+            q[:b],
+            k_cache,
+            v_cache,
+            batch.decode_tables,
+            batch.context_lens(),
+            scale,
+            batch.block_size,
         )
-        out[:b] = o.squeeze(2)
+    elif b:
+        decoded = paged_attention_cpu.paged_decode_reference(
+            q[:b],
+            k_cache,
+            v_cache,
+            batch.decode_tables,
+            batch.decode_mask,
+            scale,
+            batch.block_size,
+        )
+    if decoded is not None and b == q.shape[0]:
+        return decoded  # a decode-only step
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[:b] = decoded
     for p in batch.prefills:
         qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, n, D]
         if p.kv_index is None:

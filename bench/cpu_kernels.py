@@ -1,0 +1,211 @@
+"""Our C++ CPU kernels against the torch path they replace, side by side in one process.
+
+    python -m bench.cpu_kernels attention [--dtypes bf16 fp32 --batches 1 16 64 --contexts 256 512 1024]
+    python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
+    python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
+
+`attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
+64, blocks of 16 scattered over a pool), the C++ op vs gather + SDPA, alternating calls, medians.
+`sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating.
+`engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
+path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
+after the last request's first token, over that window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from bench.common import Request, machine, make_workload, quiet_logs, run_ours
+from kernels import paged_attention_cpu
+from kernels.paged_attention_cpu import context_mask, paged_decode_attention, paged_decode_reference
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+STAT = {"median": statistics.median, "min": min}
+
+
+def median_us(
+    fns: dict[str, Callable[[], object]], reps: int, stat: str = "median"
+) -> dict[str, float]:
+    """Median (or best) wall time of each function, called in turn `reps` times after two
+    warm-ups. On a shared machine the best of N shows the kernel's cost without the slices
+    the scheduler gave to other processes (a 2-thread op waits for its slower thread)."""
+    for f in fns.values():
+        f(), f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: 1e6 * STAT[stat](v) for k, v in times.items()}
+
+
+def attention(args: argparse.Namespace) -> None:
+    paged_attention_cpu.build()
+    hq, hkv, dim, bs = 9, 3, 64, 16
+    print(
+        f"paged decode attention, one layer, {hq}/{hkv} heads, head_dim {dim}, "
+        f"{args.stat} of {args.reps}, {machine()}"
+    )
+    print("dtype  batch  ctx   op µs (auto)  op µs (1 piece)  gather+SDPA µs  speed-up")
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        for b in args.batches:
+            for ctx in args.contexts:
+                blocks = -(-ctx // bs)
+                pool = max(b * blocks, 4096)  # a pool larger than the caches hold
+                g = torch.Generator().manual_seed(b * ctx)
+                kc = torch.randn(pool * bs, hkv, dim, generator=g).to(dtype)
+                vc = torch.randn(pool * bs, hkv, dim, generator=g).to(dtype)
+                q = torch.randn(b, hq, dim, generator=g).to(dtype)
+                lens = torch.full((b,), ctx)
+                tables = torch.randperm(pool, generator=g)[: b * blocks].view(b, blocks)
+                mask = context_mask(lens, blocks * bs)
+
+                def op(splits: int, q=q, kc=kc, vc=vc, tables=tables, lens=lens) -> object:
+                    return paged_decode_attention(
+                        q, kc, vc, tables, lens, dim**-0.5, bs, splits=splits
+                    )
+
+                def ref(q=q, kc=kc, vc=vc, tables=tables, mask=mask) -> object:
+                    return paged_decode_reference(q, kc, vc, tables, mask, dim**-0.5, bs)
+
+                t = median_us(
+                    {"op": lambda: op(0), "op1": lambda: op(1), "ref": ref}, args.reps, args.stat
+                )
+                print(
+                    f"{name:5s} {b:6d} {ctx:5d} {t['op']:13.1f} {t['op1']:16.1f} "
+                    f"{t['ref']:15.1f} {t['ref'] / t['op']:8.2f}x",
+                    flush=True,
+                )
+
+
+def sampling(args: argparse.Namespace) -> None:
+    from daemon.loop.request import SamplingParams
+    from daemon.loop.sampler import SamplingBatch, sample
+    from kernels import sampling_cpu
+
+    print(
+        f"sample(), vocab {args.vocab}, C++ sampler vs torch path, {args.stat} of {args.reps}, "
+        f"{machine()}"
+    )
+    print("batch  params                       kernel ms   torch ms  speed-up")
+    cases = {
+        "temperature 0.8": SamplingParams(temperature=0.8),
+        "top_k 50": SamplingParams(temperature=0.8, top_k=50),
+        "top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+        "top_k 40, top_p 0.95": SamplingParams(temperature=0.7, top_k=40, top_p=0.95),
+    }
+    for b in args.batches:
+        g = torch.Generator().manual_seed(b)
+        logits = 3 * torch.randn(b, args.vocab, generator=g)
+        for name, params in cases.items():
+            sb = SamplingBatch.build([params] * b, [0] * b, args.vocab)
+
+            def run(on: bool, sb=sb, logits=logits, g=g) -> object:
+                sampling_cpu.ENABLED = on
+                return sample(logits, sb, g)
+
+            fns = {"kernel": lambda: run(True), "torch": lambda: run(False)}
+            t = median_us(fns, args.reps, args.stat)
+            print(
+                f"{b:5d}  {name:26s} {t['kernel'] / 1e3:10.2f} {t['torch'] / 1e3:10.2f} "
+                f"{t['torch'] / t['kernel']:8.2f}x",
+                flush=True,
+            )
+        sampling_cpu.ENABLED = True
+
+
+def decode_tok_s(run) -> float:
+    """Tokens produced after every request had its first token, per second of that window."""
+    start = max(t.token_times[0] for t in run.timings)
+    end = max(t.token_times[-1] for t in run.timings)
+    tokens = sum(sum(1 for x in t.token_times if x > start) for t in run.timings)
+    return tokens / (end - start)
+
+
+async def engine_runs(args: argparse.Namespace) -> None:
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
+
+    print(f"engine decode tok/s, {args.model}, {args.dtype}, kernel on / off, {machine()}")
+    for conc in args.concurrency:
+        cfg = EngineConfig(
+            model=args.model,
+            dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
+            kv_cache_memory_gb=args.kv_cache_gb,
+            max_num_seqs=conc,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        engine, _ = build_engine(cfg)
+        await engine.start()
+        vocab = 49152
+        workload = make_workload(conc, (args.prompt_len,) * 2, (args.output_len,) * 2, vocab, 0)
+        # warm-up on the workload's own shapes (prefill chunks, batch), untimed: the first run
+        # pays the GEMM primitives' set-up, and it would fall on the kernel-on side
+        await run_ours(engine, [Request(r.prompt, r.max_tokens) for r in workload])
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(args.repeats):
+            for on in (True, False) if rep % 2 == 0 else (False, True):
+                paged_attention_cpu.ENABLED = on
+                run = await run_ours(engine, [Request(r.prompt, r.max_tokens) for r in workload])
+                rates[on].append(decode_tok_s(run))
+                print(
+                    f"  concurrency {conc} repeat {rep + 1} kernel {'on ' if on else 'off'}: "
+                    f"decode {rates[on][-1]:7.1f} tok/s, all {run.tok_s:7.1f} tok/s",
+                    flush=True,
+                )
+        paged_attention_cpu.ENABLED = True
+        await engine.stop()
+        on, off = statistics.median(rates[True]), statistics.median(rates[False])
+        print(
+            f"concurrency {conc}: decode tok/s kernel on {on:.1f}, off {off:.1f}: "
+            f"{on / off:.2f}x (medians of {args.repeats})",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("attention")
+    a.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    a.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    a.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
+    a.add_argument("--reps", type=int, default=15)
+    a.add_argument("--stat", choices=list(STAT), default="median")
+    s = sub.add_parser("sampling")
+    s.add_argument("--batches", nargs="+", type=int, default=[16, 64])
+    s.add_argument("--vocab", type=int, default=49152)
+    s.add_argument("--reps", type=int, default=9)
+    s.add_argument("--stat", choices=list(STAT), default="median")
+    e = sub.add_parser("engine")
+    e.add_argument("--model", default="/tmp/smollm2-hf")
+    e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    e.add_argument("--concurrency", nargs="+", type=int, default=[16, 64])
+    e.add_argument("--prompt-len", type=int, default=384)
+    e.add_argument("--output-len", type=int, default=64)
+    e.add_argument("--repeats", type=int, default=2)
+    e.add_argument("--kv-cache-gb", type=float, default=2.0)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    quiet_logs()
+    if args.what == "attention":
+        attention(args)
+    elif args.what == "sampling":
+        sampling(args)
+    else:
+        asyncio.run(engine_runs(args))
+
+
+if __name__ == "__main__":
+    main()

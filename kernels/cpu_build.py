@@ -1,0 +1,47 @@
+"""Builds the C++ CPU kernels in kernels/csrc once, as one library, through torch's extension
+loader, and keeps it under a cache directory (TORCH_EXTENSIONS_DIR, else
+$DEEPINFER_CACHE/torch-extensions)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+
+def extensions_dir() -> Path:
+    """Where built extensions live: TORCH_EXTENSIONS_DIR if set, else under deepinfer's cache."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env)
+    cache = os.environ.get("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))
+    return Path(cache) / "torch-extensions"
+
+
+@functools.cache
+def load() -> None:
+    """Load the operators of csrc/*.cpp into torch (compiled on first use, ~40 s; later runs
+    load the cached library, which torch rebuilds when a source or the flags change)."""
+    from torch.utils import cpp_extension
+
+    build = extensions_dir() / "cpu_kernels"
+    build.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cpp_extension.load(
+        name="deepinfer_cpu_kernels",
+        sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("cpu kernels loaded", seconds=round(time.perf_counter() - started, 2))
