@@ -61,13 +61,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype == q.dtype
         and q.shape[1] % k_cache.shape[1] == 0
         and q.shape[1] // k_cache.shape[1] <= 16
+        and cpu_build.load()  # built once (cached); False where it cannot be
     )
 
 
-def build() -> None:
+def build() -> bool:
     """Compile (or load from the cache) the C++ kernel now, e.g. while the engine starts: the
-    op has no CPU implementation before."""
-    cpu_build.load()
+    op has no CPU implementation before. False where it cannot be built."""
+    return cpu_build.load()
 
 
 # the C++ library registers the CPU kernel of this schema when it loads

@@ -58,6 +58,16 @@ def _(weights, totals, top_k, top_p, min_p, u):
     return weights.new_empty(weights.shape[0], dtype=torch.long)
 
 
+def supports(logits: torch.Tensor) -> bool:
+    """Whether the op serves these logits (float32 on a CPU, the library built)."""
+    return (
+        ENABLED
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and cpu_build.load()
+    )
+
+
 def sample_rows(
     weights: torch.Tensor,
     top_k: torch.Tensor,

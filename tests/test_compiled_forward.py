@@ -148,7 +148,7 @@ print("tokens", len(asyncio.run(main())))
 """
 
 
-def test_without_a_cxx_compiler_the_engine_serves_eagerly(tmp_path: Path) -> None:
+def test_without_a_cxx_compiler_the_engine_serves_on_the_torch_paths(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -159,6 +159,7 @@ def test_without_a_cxx_compiler_the_engine_serves_eagerly(tmp_path: Path) -> Non
         "DEEPINFER_ENGINE_ENFORCE_EAGER": "0",
         "CXX": str(tmp_path / "no-such-compiler"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # the C++ kernels unbuilt too
     }
     done = subprocess.run(
         [sys.executable, "-c", _WITHOUT_COMPILER, str(checkpoint)],
@@ -171,3 +172,4 @@ def test_without_a_cxx_compiler_the_engine_serves_eagerly(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens 4" in done.stdout
     assert "decode_forward_not_compiled" in done.stdout + done.stderr
+    assert "cpu_kernels_unavailable" in done.stdout + done.stderr  # the torch paths serve

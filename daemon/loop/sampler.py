@@ -157,7 +157,7 @@ def sample(
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy_tokens
-    elif sampling_cpu.ENABLED and logits.device.type == "cpu" and logits.dtype == torch.float32:
+    elif sampling_cpu.supports(logits):
         tokens = torch.where(sb.greedy, greedy_tokens, _sample_cpu(logits, sb, generator))
     else:
         x = logits / sb.temperature[:, None]
