@@ -26,11 +26,21 @@ def extensions_dir() -> Path:
     return Path(cache) / "torch-extensions"
 
 
+_loaded: bool | None = None  # load()'s answer, once it has given one
+
+
+def available() -> bool:
+    """Whether the kernels are loaded, loading them first if nothing tried yet. Traceable by
+    torch.compile once loaded (a module flag; load() itself is not)."""
+    return load() if _loaded is None else _loaded
+
+
 @functools.cache
 def load() -> bool:
     """Load the operators of csrc/*.cpp into torch (compiled on first use, ~40 s; later runs
     load the cached library, which torch rebuilds when a source or the flags change). False,
     with a warning, where they cannot be built (no C++ compiler): callers keep the torch paths."""
+    global _loaded
     from torch.utils import cpp_extension
 
     build = extensions_dir() / "cpu_kernels"
@@ -48,6 +58,8 @@ def load() -> bool:
         )
     except Exception as e:  # a failed build raises whatever the toolchain gave
         log.warning("cpu_kernels_unavailable", error=f"{type(e).__name__}: {e}"[:500])
+        _loaded = False
         return False
     log.info("cpu_kernels_loaded", seconds=round(time.perf_counter() - started, 2))
+    _loaded = True
     return True

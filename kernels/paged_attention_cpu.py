@@ -61,7 +61,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.dtype == q.dtype
         and q.shape[1] % k_cache.shape[1] == 0
         and q.shape[1] // k_cache.shape[1] <= 16
-        and cpu_build.load()  # built once (cached); False where it cannot be
+        and cpu_build.available()  # False where it cannot be built
     )
 
 

@@ -64,7 +64,7 @@ def supports(logits: torch.Tensor) -> bool:
         ENABLED
         and logits.device.type == "cpu"
         and logits.dtype == torch.float32
-        and cpu_build.load()
+        and cpu_build.available()
     )
 
 

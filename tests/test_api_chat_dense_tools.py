@@ -322,8 +322,8 @@ def test_required_parallel_calls_hold_their_schemas(
         tools=TOOLS,
         tool_choice="required",
         temperature=1.0,
-        seed=5,
-        n=4,
+        seed=1,
+        n=8,  # random weights: most samples run to max_tokens inside the grammar
         max_tokens=300,
     )
     finished = [c for c in r.choices if c.finish_reason == "tool_calls"]
