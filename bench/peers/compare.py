@@ -113,4 +113,6 @@ def _warm_up(plan: Plan, system: str, model: str, url: str, seed: int) -> None:
         plan.warmup, plan.work.input_len, WARMUP_OUTPUT_LEN, plan.work.tokenizer, plan.work.extra
     )
     path = plan.out / f"{system}-warmup.json"
-    workload.run(workload.serve_args(system, w, url, model, plan.warmup, seed, path))
+    # llama-cpp-python's server runs one request at a time and cuts concurrent streams short
+    conc = 1 if system == "llamacpp" else plan.warmup
+    workload.run(workload.serve_args(system, w, url, model, conc, seed, path))
