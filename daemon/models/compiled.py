@@ -63,9 +63,7 @@ class CompiledDecode:
         """The hidden states [B, hidden] of a decode-only step; None when the step has prefill
         chunks or more sequences than the engine runs (run it eagerly)."""
         n = batch.num_decodes
-        if self.failed or batch.prefills or n == 0 or n != input_ids.shape[0]:
-            return None
-        if n > self.max_batch:
+        if self.failed or batch.prefills or n == 0 or n != input_ids.shape[0] or n > self.max_batch:
             return None
         slots, tables, mask = batch.slot_mapping, batch.decode_tables, batch.decode_mask
         # plain tensors, as the host's others are: graphs are guarded on the dispatch keys
