@@ -7,6 +7,8 @@ python -m bench.peers.venvs vllm llamacpp [--root DIR] [--force]
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,6 +23,8 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # PyPI's builds of these fail to load against the local CPU torch; text serving needs none.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+# llama.cpp's AMX kernels SIGILL here; the rest of its native build is kept.
+LLAMACPP_CMAKE = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
 READY = ".installed"  # written last: a half-finished install is redone
 
 
@@ -78,9 +82,14 @@ def _install_vllm(env: PeerEnv) -> None:
 
 
 def _install_llamacpp(env: PeerEnv) -> None:
-    """llama-cpp-python with its server extra (a prebuilt wheel here: 20 s; where pip must
-    build it from the sdist, it compiles llama.cpp for minutes)."""
-    _pip(env, "install", "llama-cpp-python[server]")
+    """llama-cpp-python with its server extra, compiled here from the sdist (minutes). The
+    prebuilt wheel dies with SIGILL on this machine's CPUs on any prompt longer than one token:
+    its AMX weight repacking runs where the kernel does not grant AMX state. The build keeps
+    the native AVX-512 kernels and leaves the AMX ones out."""
+    _pip(
+        env, "install", "--no-cache-dir", "--no-binary", "llama-cpp-python", "llama-cpp-python[server]",
+        extra_env={"CMAKE_ARGS": " ".join(LLAMACPP_CMAKE), "FORCE_CMAKE": "1"},
+    )  # fmt: skip
     _check_import(env, "import llama_cpp.server")
 
 
@@ -90,10 +99,11 @@ INSTALLERS: dict[str, Callable[[PeerEnv], None]] = {
 }
 
 
-def _pip(env: PeerEnv, *args: str) -> None:
+def _pip(env: PeerEnv, *args: str, extra_env: dict[str, str] | None = None) -> None:
     cmd = [str(env.python), "-m", "pip", "--disable-pip-version-check", *args]
-    print("+", " ".join(cmd), flush=True)
-    if subprocess.run(cmd).returncode != 0:
+    print("+", " ".join(f"{k}={shlex.quote(v)}" for k, v in (extra_env or {}).items()),
+          " ".join(cmd), flush=True)  # fmt: skip
+    if subprocess.run(cmd, env={**os.environ, **(extra_env or {})}).returncode != 0:
         raise InstallError(f"{env.name}: `pip {' '.join(args)}` failed")
 
 
