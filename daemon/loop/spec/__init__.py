@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, the verify-length policy, rejection sampling, statistics."""

@@ -1,0 +1,76 @@
+"""The seams of speculative decoding: what a drafter proposes, what the verify-length policy
+decides from it, and the step-cost model that policy weighs against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from daemon.loop.request import Request
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal for the tokens after a request's known ones."""
+
+    tokens: list[int]
+    # per position j: the drafter's raw estimate that tokens[j] is accepted given that
+    # tokens[:j] are (in [0, 1]; the policy calibrates it against observed acceptance)
+    confidence: list[float]
+    # [len(tokens), V] the draft distribution each token was drawn from, where the drafter has
+    # one (model drafters); None: a point mass on each token (n-gram lookups)
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """Proposes continuations from a request's known tokens, on the loop thread."""
+
+    name: str
+
+    def propose(self, req: Request, k: int) -> Draft:
+        """At most `k` tokens to follow `req.prompt_ids + req.output_ids` (possibly none)."""
+        ...
+
+    def observe(self, req: Request, draft: Draft, accepted: int) -> None:
+        """The outcome of a verified draft: its first `accepted` tokens were accepted (of those
+        verified, which may be fewer than proposed)."""
+        ...
+
+    def finished(self, req: Request) -> None:
+        """The request ended: what it produced may serve later requests."""
+        ...
+
+
+class StepCost(Protocol):
+    """The device's step time, profiled at engine start."""
+
+    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+        """A forward + sampling step of `num_tokens` tokens over `num_seqs` sequences, with the
+        rollback of rejected drafts."""
+        ...
+
+
+@dataclass
+class Candidate:
+    """A request that may verify drafts this step."""
+
+    request_id: str
+    confidence: list[float]  # its draft's raw per-position confidences
+    max_len: int  # the most drafts it may verify (tokens left, draft length)
+
+
+class SpecPolicy(Protocol):
+    """How many drafts each candidate verifies in a step."""
+
+    def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
+        """Drafts to verify per candidate (each in 0..max_len; 0: a plain decode), for a step
+        that without drafts computes `num_tokens` tokens over `num_seqs` sequences (the
+        candidates' own decode rows included)."""
+        ...
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        """A verified draft's outcome (`confidence` as proposed): calibration data."""
+        ...
