@@ -71,7 +71,7 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     out = tmp_path / "run"
     rc = main(
         ["--systems", "deepinfer", "--model", str(model), "--dtype", "float32"]
-        + ["--concurrency", "1", "3", "--repeats", "2", "--num-prompts", "3", "--warmup", "1"]
+        + ["--concurrency", "1", "3", "--repeats", "2", "--num-prompts", "2", "3", "--warmup", "1"]
         + ["--input-len", "16", "--output-len", "4", "--out", str(out)]
         + ["--deepinfer-args", "--kv-cache-memory-gb 0.05 --max-model-len 256"]
     )
@@ -93,9 +93,9 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert len({c["seed"] for c in configs}) == 4
     for r, c in zip(data["runs"], configs, strict=True):
         assert c["max_concurrency"] == r["concurrency"] and c["ignore_eos"]
-        s = r["summary"]
-        assert (s["completed"], s["failed"]) == (3, 0)
-        assert s["output_tokens"] == 3 * 4 and s["input_tokens"] == 3 * 16
+        s, n = r["summary"], 2 if r["concurrency"] == 1 else 3  # --num-prompts per concurrency
+        assert (s["completed"], s["failed"]) == (n, 0)
+        assert s["output_tokens"] == n * 4 and s["input_tokens"] == n * 16
         assert s["max_concurrency_seen"] <= r["concurrency"]
         assert s["cached_tokens"] == 0  # a fresh block store per server, fresh prompts per run
     rows = data["rows"]

@@ -34,7 +34,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="deepinfer and vLLM (default bfloat16)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=2, help="servers started per system")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests per run")
+    p.add_argument(
+        "--num-prompts", type=int, nargs="+", default=[64],
+        help="requests per run: one for every concurrency, or one per --concurrency value",
+    )  # fmt: skip
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=4, help="untimed requests per started server")
@@ -59,7 +62,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("llamacpp needs --gguf FILE")
     if (a.tokenizer or a.model) is None:
         p.error("the prompts need a tokenizer: --tokenizer DIR or --model DIR")
-    if min(a.concurrency) < 1 or a.repeats < 1 or a.num_prompts < 1 or a.warmup < 0:
+    if len(a.num_prompts) not in (1, len(a.concurrency)):
+        p.error("--num-prompts takes one value or one per --concurrency value")
+    if min(a.concurrency) < 1 or a.repeats < 1 or min(a.num_prompts) < 1 or a.warmup < 0:
         p.error("--concurrency, --repeats, --num-prompts must be >= 1, --warmup >= 0")
     return a
 
@@ -73,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         gguf=a.gguf,
         dtype=a.dtype,
         concurrency=a.concurrency,
+        num_prompts=a.num_prompts * len(a.concurrency)
+        if len(a.num_prompts) == 1
+        else a.num_prompts,
         repeats=a.repeats,
         work=Workload(
-            a.num_prompts,
+            a.num_prompts[0],
             a.input_len,
             a.output_len,
             a.tokenizer or a.model,
@@ -101,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(rows, Floor(**result["floor"]) if result["floor"] else None))
     print(f"results: {out / 'peers.json'}, {out / 'table.md'}")
     plot = a.plot or out / "peers.png"
-    title = f"{(a.model or a.gguf).name}: {a.num_prompts} × {a.input_len}+{a.output_len} tokens"
+    prompts = "/".join(map(str, a.num_prompts))
+    title = f"{(a.model or a.gguf).name}: {prompts} × {a.input_len}+{a.output_len} tokens"
     if report.plot(rows, plot, title):
         print(f"plot: {plot}")
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ class Plan:
     gguf: Path | None  # llama.cpp
     dtype: str
     concurrency: list[int]
+    num_prompts: list[int]  # requests of each concurrency's runs
     repeats: int
     work: workload.Workload
     out: Path
@@ -78,10 +79,11 @@ def run(plan: Plan) -> dict[str, Any]:
                 base = plan.seed + 1000 * rep  # same prompts for every system, fresh per run
                 if plan.warmup:
                     _warm_up(plan, system, spec.served_name, server.base_url, base + 999)
-                for i, conc in enumerate(plan.concurrency):
+                for i, (conc, n) in enumerate(zip(plan.concurrency, plan.num_prompts)):
                     path = plan.out / f"{system}-r{rep}-c{conc}.json"
+                    work = replace(plan.work, num_prompts=n)
                     args = workload.serve_args(
-                        system, plan.work, server.base_url, spec.served_name, conc, base + i, path
+                        system, work, server.base_url, spec.served_name, conc, base + i, path
                     )
                     data = workload.run(args)
                     runs.append(
