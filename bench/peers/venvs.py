@@ -23,8 +23,15 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # PyPI's builds of these fail to load against the local CPU torch; text serving needs none.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-# llama.cpp's AMX kernels SIGILL here; the rest of its native build is kept.
-LLAMACPP_CMAKE = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+# llama.cpp's AMX kernels SIGILL here. A native build (-march=native) turns them on whenever the
+# CPU reports AMX, whatever GGML_AMX_* say, so the instruction sets are named one by one instead:
+# those of this machine's CPUs (AVX-512 with VNNI and BF16), AMX off.
+LLAMACPP_CMAKE = (
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{isa}=ON" for isa in ("AVX", "AVX2", "FMA", "F16C", "AVX_VNNI")),
+    *(f"-DGGML_{isa}=ON" for isa in ("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")),
+    *(f"-DGGML_{isa}=OFF" for isa in ("AMX_TILE", "AMX_INT8", "AMX_BF16")),
+)
 READY = ".installed"  # written last: a half-finished install is redone
 
 
@@ -82,10 +89,9 @@ def _install_vllm(env: PeerEnv) -> None:
 
 
 def _install_llamacpp(env: PeerEnv) -> None:
-    """llama-cpp-python with its server extra, compiled here from the sdist (minutes). The
-    prebuilt wheel dies with SIGILL on this machine's CPUs on any prompt longer than one token:
-    its AMX weight repacking runs where the kernel does not grant AMX state. The build keeps
-    the native AVX-512 kernels and leaves the AMX ones out."""
+    """llama-cpp-python with its server extra, compiled here from the sdist (~10 minutes). The
+    prebuilt wheel dies with SIGILL on this machine's CPUs on any prompt longer than one token,
+    in its AMX kernels (the VM reports AMX but faults on it); this build leaves them out."""
     _pip(
         env, "install", "--no-cache-dir", "--no-binary", "llama-cpp-python", "llama-cpp-python[server]",
         extra_env={"CMAKE_ARGS": " ".join(LLAMACPP_CMAKE), "FORCE_CMAKE": "1"},
