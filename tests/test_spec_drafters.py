@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
 from daemon.loop.request import Request, SamplingParams
 from daemon.loop.spec.drafters import build_drafter
 from daemon.loop.spec.ngram import LookupDraft, MatchStats, NgramDrafter
+from daemon.loop.spec.suffix import SuffixDrafter, SuffixIndex, SuffixMatch, expected_accepted
 
 
 def request(prompt: list[int], output: list[int] = (), rid: str = "r") -> Request:
@@ -172,8 +174,158 @@ def test_observe_wants_a_lookup_draft() -> None:
 
 def test_build_drafter_by_name() -> None:
     assert isinstance(build_drafter("ngram", 5), NgramDrafter)
+    assert isinstance(build_drafter("suffix", 5), SuffixDrafter)
     assert build_drafter("ngram", 5).name == "ngram"
     with pytest.raises(ValueError, match="unknown drafter 'eagle'.*ngram"):
         build_drafter("eagle", 5)
     with pytest.raises(ValueError, match="k >= 1"):
         build_drafter("ngram", 0)
+
+
+def test_the_suffix_index_finds_an_earlier_requests_continuation() -> None:
+    d = SuffixDrafter(SuffixIndex(key_n=3, max_requests=2))
+    d.finished(request([1, 2, 3], [10, 11, 12, 13, 14, 15, 16], rid="a"))
+    later = request([7, 8, 10, 11, 12], rid="b")  # nothing to look up in its own tokens
+    draft = d.propose(later, 6)
+    assert draft.tokens == [13, 14, 15, 16]  # up to where the earlier request ended
+    assert (draft.source, draft.match_len) == ("suffix", 3)
+    assert all(0.0 < c < 1.0 for c in draft.confidence)
+    # two more requests evict the first: its continuation is forgotten
+    d.finished(request([20, 21, 22, 23], rid="c"))
+    d.finished(request([30, 31, 32, 33], rid="d"))
+    assert d.index.num_requests == 2
+    assert d.propose(later, 6).tokens == []
+
+
+def test_the_token_bound_evicts_the_oldest() -> None:
+    index = SuffixIndex(key_n=2, max_tokens=10)
+    index.add([1, 2, 3, 4, 5, 6])
+    assert index.query([1, 2], 3) == SuffixMatch([3, 4, 5], [1, 1, 1], [1, 1, 1], 2)
+    index.add([7, 8, 9, 10, 11])  # 11 tokens: the first request goes
+    assert (index.num_requests, index.num_tokens) == (1, 5)
+    assert index.query([1, 2], 3) is None
+    assert index.query([8, 9], 3).tokens == [10, 11]
+    index.add(list(range(100, 130)))  # longer than the bound: its last 10 tokens are kept
+    assert (index.num_requests, index.num_tokens) == (1, 10)
+    assert index.query([120, 121], 2).tokens == [122, 123]
+    assert index.query([100, 101], 2) is None
+
+
+def test_the_longest_shared_context_wins_then_the_majority() -> None:
+    index = SuffixIndex(key_n=2, max_n=6)
+    index.add([6, 1, 2, 3, 50, 51])
+    index.add([5, 1, 2, 3, 40, 41])  # the latest, but it shares less with the query
+    match = index.query([9, 6, 1, 2, 3], 2)
+    assert (match.tokens, match.match_len) == ([50, 51], 4)
+    # equally long contexts: position by position the token most of them continue with
+    for tail in ([7, 8], [7, 9], [4, 4]):
+        index.add([0, 1, 2, 3, *tail])
+    match = index.query([1, 2, 3], 3)
+    assert match == SuffixMatch([7, 9], [2, 1], [5, 2], 3)  # 8 or 9 (a tie): the latest
+
+
+def test_suffix_confidence_counts_agreeing_occurrences() -> None:
+    def first_confidence(continuations: list[int]) -> float:
+        d = SuffixDrafter(SuffixIndex(key_n=3))
+        for i, token in enumerate(continuations):
+            d.finished(request([1, 2, 3, token], rid=str(i)))
+        draft = d.propose(request([8, 1, 2, 3], rid="q"), 1)
+        assert draft.source == "suffix"
+        return draft.confidence[0]
+
+    one, three, split = (
+        first_confidence([4]),
+        first_confidence([4, 4, 4]),
+        first_confidence([4, 5, 4]),
+    )
+    assert split < one < three
+
+
+def test_suffix_confidence_moves_with_observed_acceptance() -> None:
+    d = SuffixDrafter(SuffixIndex(key_n=3))
+    d.finished(request([1, 2, 3, 4, 5, 6, 7], rid="a"))
+    req = request([9, 2, 3, 4], rid="b")
+    before = d.propose(req, 3)
+    for _ in range(50):
+        d.observe(req, d.propose(req, 3), 0)  # always rejected
+    after = d.propose(req, 3)
+    assert after.source == "suffix"
+    assert after.confidence[0] < before.confidence[0] - 0.2
+    assert d.own.stats.confidence(3, 3) == [0.5, 0.5, 0.5]  # the lookup's own stats untouched
+
+
+def test_the_better_scored_proposal_is_taken() -> None:
+    d = SuffixDrafter(SuffixIndex(key_n=2))
+    d.finished(request([1, 2, 3, 30, 31], rid="a"))
+    # its own tokens repeat "1 2 3" too, followed by 4 5 6
+    req = request([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], rid="b")
+    draft = d.propose(req, 2)
+    assert (draft.source, draft.tokens) == ("suffix", [30, 31])  # 1 occurrence beats the prior
+    for _ in range(50):
+        own = d.own.propose(req, 2)
+        d.observe(req, own, 2)  # the request's own matches are always accepted
+    draft = d.propose(req, 2)
+    assert (draft.source, draft.tokens) == ("ngram", [4, 5])
+    assert expected_accepted(draft.confidence) > 1.5
+    d.finished(req)
+    assert d.own._contexts == {} and d.index.num_requests == 2
+
+
+def test_expected_accepted_is_the_sum_of_survivals() -> None:
+    assert expected_accepted([]) == 0.0
+    assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx(0.5 + 0.25 + 0.25)
+
+
+def reference_query(
+    live: deque[list[int]], context: list[int], k: int, key_n: int, max_n: int
+) -> SuffixMatch | None:
+    """The index's query by brute force over the live requests."""
+    found = []
+    for r, doc in enumerate(live):
+        for i in range(key_n, len(doc)):
+            if doc[i - key_n : i] == context[-key_n:]:
+                shared = key_n
+                limit = min(max_n, len(context))
+                while shared < limit and shared < i and doc[i - shared - 1] == context[-shared - 1]:
+                    shared += 1
+                found.append((r, i, shared))
+    if not found:
+        return None
+    best = max(f[2] for f in found)
+    alive = sorted(((r, i) for r, i, shared in found if shared == best), reverse=True)
+    tokens, support, total = [], [], []
+    for j in range(k):
+        counts: dict[int, int] = {}
+        for r, i in alive:
+            if i + j < len(live[r]):
+                counts[live[r][i + j]] = counts.get(live[r][i + j], 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)
+        tokens.append(token)
+        support.append(counts[token])
+        total.append(sum(counts.values()))
+        alive = [(r, i) for r, i in alive if i + j < len(live[r]) and live[r][i + j] == token]
+    return SuffixMatch(tokens, support, total, best)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_suffix_index_equals_a_brute_force_search(seed: int) -> None:
+    rng = random.Random(seed)
+    index = SuffixIndex(key_n=2, max_n=5, max_requests=5, max_tokens=60, max_candidates=10**6)
+    live: deque[list[int]] = deque()
+    for _ in range(300):
+        doc = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        index.add(doc)
+        if doc[-60:]:
+            live.append(doc[-60:])
+        while len(live) > 5 or sum(map(len, live)) > 60:
+            live.popleft()
+        assert index.num_tokens == sum(map(len, live))
+        for _ in range(3):
+            context = [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+            k = rng.randrange(1, 6)
+            assert index.query(context, k) == reference_query(live, context, k, 2, 5)
+    # evicted requests leave nothing behind: the corpus and the heads stay bounded
+    assert len(index._tokens) <= 2 * (60 + 5) + 2
+    assert len(index._head) <= 60

@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 from daemon.loop.spec.base import Drafter
 from daemon.loop.spec.ngram import NgramDrafter
+from daemon.loop.spec.suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[[int], Drafter]] = {
     "ngram": lambda k: NgramDrafter(),
+    "suffix": lambda k: SuffixDrafter(),
 }
 
 
