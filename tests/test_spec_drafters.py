@@ -9,7 +9,7 @@ import pytest
 
 from daemon.loop.request import Request, SamplingParams
 from daemon.loop.spec.drafters import build_drafter
-from daemon.loop.spec.ngram import LookupDraft, MatchStats, NgramDrafter
+from daemon.loop.spec.ngram import MatchStats, NgramDrafter
 from daemon.loop.spec.suffix import SuffixDrafter, SuffixIndex, SuffixMatch, expected_accepted
 
 
@@ -128,25 +128,56 @@ def test_finished_drops_the_index() -> None:
     d.finished(req)  # twice is harmless
 
 
+def step(d: NgramDrafter | SuffixDrafter, req: Request, truth: list[int], k: int = 4) -> int:
+    """One speculative step against a target that produces `truth`: propose, verify all,
+    append the accepted drafts and the target's next token, report. Returns accepted."""
+    draft = d.propose(req, k)
+    at = req.num_known_tokens - len(req.prompt_ids)
+    accepted = 0
+    while accepted < len(draft.tokens) and draft.tokens[accepted] == truth[at + accepted]:
+        accepted += 1
+    req.output_ids.extend(truth[at : at + accepted + 1])
+    d.observe(req, draft, accepted)
+    return accepted
+
+
 def test_confidence_moves_with_observed_acceptance() -> None:
     d = NgramDrafter(min_n=2, max_n=4)
-    long_match = request([1, 5, 6, 7, 8, 9, 10, 11, 12, 2, 5, 6, 7])
-    short_match = request([1, 2, 3, 4, 5, 6, 9, 9, 5, 6], rid="s")
-    before_long = d.propose(long_match, 4).confidence
-    before_short = d.propose(short_match, 4).confidence
-    assert before_long == before_short  # no evidence yet: the prior
-
+    prior = d.stats.confidence(4, 4)
+    phrase = list(range(100, 130))
+    # a target that copies its prompt: every draft is accepted
+    copier = request(phrase + phrase[:6])
+    truth = (phrase * 20)[6:]
+    while copier.num_known_tokens < 200:
+        step(d, copier, truth)
+    assert all(c > p + 0.3 for c, p in zip(d.stats.confidence(4, 4), prior))
+    # "1 2" always continued by something new: the first drafted token is always rejected
+    fresh = iter(range(1000, 2000))
+    deviating = request([1, 2, next(fresh)], rid="x")
+    truth = [t for _ in range(200) for t in (1, 2, next(fresh))]
     for _ in range(60):
-        d.observe(long_match, d.propose(long_match, 4), 4)  # all accepted
-        short = d.propose(short_match, 4)
-        d.observe(short_match, short, 1)  # the second rejected
-    after_long = d.propose(long_match, 4).confidence
-    after_short = d.propose(short_match, 4).confidence
-    assert all(a > b + 0.3 for a, b in zip(after_long, before_long))
-    assert after_short[0] > before_short[0] + 0.3  # position 0: always accepted
-    assert after_short[1] < 0.2  # position 1: always rejected
-    # position 2 was never verified for short matches: it follows its position's pool
-    assert after_short[2] > before_short[2]
+        step(d, deviating, truth)
+    assert d.stats.confidence(2, 1)[0] < 0.2
+    # position 1 of length-2 matches was never reached: it follows its position's pool
+    assert d.stats.confidence(2, 2)[1] > prior[1]
+
+
+def test_unverified_positions_are_decided_by_the_tokens() -> None:
+    d = NgramDrafter(min_n=2, max_n=3)
+    req = request([1, 2, 3, 4, 5, 6, 1, 2, 3])
+    draft = d.propose(req, 3)
+    assert (draft.tokens, draft.match_len) == ([4, 5, 6], 3)
+    d.propose(req, 3)  # proposed again before a token arrived: counted once
+    # the policy verified none: the target's tokens arrive one a step, and score the draft
+    for token in (4, 5):
+        req.output_ids.append(token)
+        d.observe(req, draft, 0)
+    assert d.stats.outcomes == 2
+    req.output_ids.append(9)  # the target did not continue with 6
+    d.finished(req)  # what arrived before the end is scored
+    assert d.stats.outcomes == 3
+    rates = d.stats.confidence(3, 3)
+    assert rates[0] > 0.5 and rates[1] > 0.5 and rates[2] < 0.5
 
 
 def test_match_stats_are_conditional_and_bounded() -> None:
@@ -161,15 +192,6 @@ def test_match_stats_are_conditional_and_bounded() -> None:
         stats.observe(3, verified=2, accepted=2)
     assert stats.confidence(3, 2)[1] > 0.8
     assert stats.confidence(3, 0) == []
-
-
-def test_observe_wants_a_lookup_draft() -> None:
-    d = NgramDrafter()
-    with pytest.raises(TypeError):
-        from daemon.loop.spec.base import Draft
-
-        d.observe(request([1]), Draft([1], [0.5]), 1)
-    d.observe(request([1]), LookupDraft([], []), 0)
 
 
 def test_build_drafter_by_name() -> None:
@@ -244,14 +266,13 @@ def test_suffix_confidence_counts_agreeing_occurrences() -> None:
 def test_suffix_confidence_moves_with_observed_acceptance() -> None:
     d = SuffixDrafter(SuffixIndex(key_n=3))
     d.finished(request([1, 2, 3, 4, 5, 6, 7], rid="a"))
-    req = request([9, 2, 3, 4], rid="b")
-    before = d.propose(req, 3)
-    for _ in range(50):
-        d.observe(req, d.propose(req, 3), 0)  # always rejected
-    after = d.propose(req, 3)
-    assert after.source == "suffix"
+    before = d.propose(request([9, 2, 3, 4], rid="probe"), 3)
+    assert before.source == "suffix"
+    for i in range(30):  # later requests never continue "2 3 4" with 5
+        step(d, request([9, 2, 3, 4], rid=str(i)), [100 + i, 0])
+    after = d.propose(request([9, 2, 3, 4], rid="probe2"), 3)
     assert after.confidence[0] < before.confidence[0] - 0.2
-    assert d.own.stats.confidence(3, 3) == [0.5, 0.5, 0.5]  # the lookup's own stats untouched
+    assert d.own.stats.outcomes == 0  # the lookup's own statistics untouched
 
 
 def test_the_better_scored_proposal_is_taken() -> None:
@@ -262,12 +283,14 @@ def test_the_better_scored_proposal_is_taken() -> None:
     draft = d.propose(req, 2)
     assert (draft.source, draft.tokens) == ("suffix", [30, 31])  # 1 occurrence beats the prior
     for _ in range(50):
-        own = d.own.propose(req, 2)
-        d.observe(req, own, 2)  # the request's own matches are always accepted
+        d.own.stats.observe(3, verified=2, accepted=2)  # own matches of length 3: accepted
     draft = d.propose(req, 2)
     assert (draft.source, draft.tokens) == ("ngram", [4, 5])
     assert expected_accepted(draft.confidence) > 1.5
+    # both proposals are scored against what the target produced
+    req.output_ids.extend([4, 5])
     d.finished(req)
+    assert (d.own.stats.outcomes, d.stats.outcomes) == (100 + 2, 1)
     assert d.own._contexts == {} and d.index.num_requests == 2
 
 

@@ -21,23 +21,24 @@ class LookupDraft(Draft):
 
 
 class MatchStats:
-    """Acceptance by (match length n, draft position j), as counts of verifications.
+    """Acceptance by (match length n, draft position j), as counts of outcomes.
 
-    Cell (n, j) counts the drafts of match length n whose position j was verified with all of
+    Cell (n, j) counts the drafts of match length n whose position j was decided with all of
     positions < j accepted, and how many of those accepted j: its rate estimates
     P(accept j | accepted < j). A cell shrinks toward its position's rate over every n, which
-    shrinks toward `prior`, each with the weight of `strength` observations, so unseen cells
-    start sane and a cell's own evidence takes over as it accumulates. A cell's counts halve
-    once they pass `window`, so the estimates follow a workload that changes."""
+    shrinks toward `prior`, each with the weight of `strength` outcomes, so unseen cells start
+    sane and a cell's own evidence takes over as it accumulates. A cell's counts halve once
+    they pass `window`, so the estimates follow a workload that changes."""
 
     def __init__(self, prior: float = 0.5, strength: float = 4.0, window: float = 2048.0) -> None:
         self.prior = prior
         self.strength = strength
         self.window = window
+        self.outcomes = 0  # outcomes ever recorded
         self._accepted: list[list[float]] = []  # [n][j]
         self._tried: list[list[float]] = []
         self._cols = 0
-        self._rates: list[list[float]] | None = None  # estimates, rebuilt after an observation
+        self._rates: list[list[float]] | None = None  # estimates, rebuilt after an outcome
 
     def _ensure(self, n: int, k: int) -> None:
         if n < len(self._accepted) and k <= self._cols:
@@ -50,21 +51,24 @@ class MatchStats:
             table.extend([0.0] * self._cols for _ in range(rows - len(table)))
         self._rates = None
 
+    def record(self, n: int, j: int, accepted: bool) -> None:
+        """Position `j` of a draft of match length `n`, whose positions < j were accepted."""
+        self._ensure(n, j + 1)
+        tried, acc = self._tried[n], self._accepted[n]
+        tried[j] += 1.0
+        if accepted:
+            acc[j] += 1.0
+        if tried[j] > self.window:
+            tried[j] *= 0.5
+            acc[j] *= 0.5
+        self.outcomes += 1
+        self._rates = None
+
     def observe(self, n: int, verified: int, accepted: int) -> None:
         """A draft of match length `n`: `verified` positions verified, the first `accepted`
         of them accepted (the one after, if verified, rejected)."""
-        if verified <= 0:
-            return
-        self._ensure(n, verified)
-        acc, tried = self._accepted[n], self._tried[n]
         for j in range(min(accepted + 1, verified)):
-            tried[j] += 1.0
-            if j < accepted:
-                acc[j] += 1.0
-            if tried[j] > self.window:
-                tried[j] *= 0.5
-                acc[j] *= 0.5
-        self._rates = None
+            self.record(n, j, j < accepted)
 
     def confidence(self, n: int, length: int) -> list[float]:
         """P(accept j | accepted < j) for j < `length`, for a match of length `n`."""
@@ -89,13 +93,26 @@ class MatchStats:
 
 
 @dataclass
+class _Pending:
+    """A proposal whose outcome is not all known: scored against the request's tokens as they
+    arrive, position by position until the first miss."""
+
+    start: int  # the position tokens[0] was proposed for
+    tokens: list[int]
+    match_len: int
+    stats: MatchStats  # where its outcomes are counted
+    decided: int = 0  # positions scored so far (all hits)
+
+
+@dataclass
 class _Context:
-    """One request's tokens and, per n-gram length, where each n-gram last occurred."""
+    """One request's tokens, where each n-gram last occurred, and its undecided proposals."""
 
     owner: Request
     tokens: list[int] = field(default_factory=list)
     # last[n - min_n]: n-gram -> the position after its latest occurrence that has a follower
     last: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
 
 
 class NgramDrafter:
@@ -109,7 +126,14 @@ class NgramDrafter:
     so a proposal costs `max_n - min_n + 1` lookups however long the context. It is dropped in
     `finished`, and rebuilt when the request is seen with fewer tokens than indexed or a
     different last indexed token (its output replaced), or as another request object under
-    the same id."""
+    the same id.
+
+    Outcomes: every proposal is scored against the tokens the request then produces, position
+    by position up to its first miss, into `stats`. A position the step did not verify is
+    decided by the token the target produced there, which has the outcome verification would
+    have had (greedy: the same token; sampled: the point-mass draft's acceptance probability,
+    p(token)). So the counts need not know how many tokens the policy verified, and a
+    confidence the policy stopped verifying still learns (no selection bias)."""
 
     name = "ngram"
 
@@ -140,21 +164,53 @@ class NgramDrafter:
             period = end - start
             while len(draft) < k:  # the match overlaps the suffix: the pattern repeats
                 draft.append(draft[len(draft) - period])
-            return LookupDraft(
+            proposal = LookupDraft(
                 draft, self.stats.confidence(n, len(draft)), source="ngram", match_len=n
             )
+            self._track(ctx, proposal, self.stats)
+            return proposal
         return LookupDraft([], [])
 
+    def track(self, req: Request, draft: LookupDraft, stats: MatchStats) -> None:
+        """Scores another drafter's proposal for `req`, made from its current tokens, into
+        `stats` as the request's tokens arrive (how `SuffixDrafter` learns)."""
+        self._track(self._sync(req), draft, stats)
+
     def observe(self, req: Request, draft: Draft, accepted: int) -> None:
-        """`draft` as verified: its tokens are those that were verified (the Speculator cuts
-        the proposal to the verified length), the first `accepted` of them accepted."""
-        if not isinstance(draft, LookupDraft):
-            raise TypeError(f"{self.name} observes its own drafts, not {type(draft).__name__}")
-        if draft.source == "ngram":
-            self.stats.observe(draft.match_len, len(draft.tokens), accepted)
+        """The outcome shows in the request's tokens: scores its proposals on what arrived."""
+        ctx = self._contexts.get(req.request_id)
+        if ctx is not None and ctx.owner is req:
+            self._sync(req)
 
     def finished(self, req: Request) -> None:
+        ctx = self._contexts.get(req.request_id)
+        if ctx is not None and ctx.owner is req:
+            self._sync(req)  # the last tokens decide what is still pending
         self._contexts.pop(req.request_id, None)
+
+    @staticmethod
+    def _track(ctx: _Context, draft: LookupDraft, stats: MatchStats) -> None:
+        if not draft.tokens:
+            return
+        start = len(ctx.tokens)
+        # proposed again before any token arrived (an overlapped step): count it once
+        ctx.pending = [p for p in ctx.pending if p.start != start or p.stats is not stats]
+        ctx.pending.append(_Pending(start, list(draft.tokens), draft.match_len, stats))
+
+    @staticmethod
+    def _score(ctx: _Context) -> None:
+        tokens, end = ctx.tokens, len(ctx.tokens)
+        undecided = []
+        for p in ctx.pending:
+            hit, j, last = True, p.decided, min(len(p.tokens), end - p.start)
+            while hit and j < last:
+                hit = tokens[p.start + j] == p.tokens[j]
+                p.stats.record(p.match_len, j, hit)
+                j += 1
+            p.decided = j
+            if hit and j < len(p.tokens):
+                undecided.append(p)
+        ctx.pending = undecided
 
     def _sync(self, req: Request) -> _Context:
         ctx = self._contexts.get(req.request_id)
@@ -176,6 +232,8 @@ class NgramDrafter:
             ctx.tokens.extend(prompt[old:])
         ctx.tokens.extend(req.output_ids[max(0, old - len(prompt)) :])
         self._index(ctx, old)
+        if ctx.pending:
+            self._score(ctx)
         return ctx
 
     def _index(self, ctx: _Context, old: int) -> None:

@@ -169,6 +169,7 @@ class SuffixDrafter:
     An index draft's confidence at position j is its evidence, the `support` of the `total`
     occurrences still agreeing, weighed against the observed acceptance of index drafts of its
     match length at j (`stats`, worth `strength` occurrences): (support + w q) / (total + w).
+    Index drafts are scored against the request's tokens as its own are (`NgramDrafter.track`).
     A finished request's prompt and output go into the index."""
 
     name = "suffix"
@@ -195,16 +196,14 @@ class SuffixDrafter:
         confidence = [
             (s + w * q) / (t + w) for s, t, q in zip(match.support, match.total, observed)
         ]
-        if expected_accepted(confidence) <= expected_accepted(own.confidence):
-            return own
-        return LookupDraft(match.tokens, confidence, source="suffix", match_len=match.match_len)
+        cross = LookupDraft(match.tokens, confidence, source="suffix", match_len=match.match_len)
+        # both proposals are scored, whichever is taken, so neither's statistics starve
+        self.own.track(req, cross, self.stats)
+        return cross if expected_accepted(confidence) > expected_accepted(own.confidence) else own
 
     def observe(self, req: Request, draft: Draft, accepted: int) -> None:
-        """`draft` as verified (see `NgramDrafter.observe`)."""
-        if isinstance(draft, LookupDraft) and draft.source == "suffix":
-            self.stats.observe(draft.match_len, len(draft.tokens), accepted)
-        else:
-            self.own.observe(req, draft, accepted)
+        """Scores the request's proposals on the tokens that arrived (`NgramDrafter.observe`)."""
+        self.own.observe(req, draft, accepted)
 
     def finished(self, req: Request) -> None:
         self.own.finished(req)
