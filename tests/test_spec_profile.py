@@ -1,4 +1,4 @@
-"""The step-cost profile at engine start (daemon/loop/spec/profile.py): real steps of tiny random
+"""The step-cost profile at engine start (daemon/loop/spec_profile.py): real steps of tiny random
 models through their runner, a table over the batch sizes that fit, the KV pool given back."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from daemon.kv.manager import KVManager, pool_sizes
 from daemon.loop.runner import ModelRunner
 from daemon.loop.spec.cost import CostTable
-from daemon.loop.spec.profile import profile
+from daemon.loop.spec_profile import profile
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from daemon.models.loader import load_model
 

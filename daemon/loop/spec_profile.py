@@ -1,5 +1,6 @@
-"""The step-cost table measured at engine start: real forward + sampling steps of the runner's
-model over synthetic batches (decode and verify shapes, prefill-sized ones), and the rollback."""
+"""The speculative step-cost table measured at engine start: real forward + sampling (+ verify)
+steps of the runner's model over synthetic batches, and the rollback. Beside the runner, not in
+spec/: it drives the runner and scheduler types, which import spec/."""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def profile(
     point_seconds: float = 0.5,
 ) -> CostTable:
     """Time steps over 1, 2, 4, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
-    (a few points), and a prefill-sized step of each batch size (decodes and one chunk making
-    `max_num_batched_tokens`): host preparation included, as the engine runs a step. Each point is the median of up to `repeats` runs after an untimed
+    (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
+    size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
+    as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
+    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point is the median of up to `repeats` runs after an untimed
     one, fewer once the point has taken `point_seconds` (a first run that long is its own
     measurement); each row is then made non-decreasing in tokens, against the noise of a
     shared machine. Must run before any request: the synthetic sequences take blocks from
@@ -60,14 +63,18 @@ def profile(
         points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k)
         if not points:
             raise ValueError(f"the KV pool holds no sequence of {CONTEXT + k + 1} positions")
+        fitted = max(p.num_seqs for p in points)
+        rollback = _rollback_seconds(runner, kv, reqs[: min(8, fitted)], repeats)
         rows: dict[int, tuple[list[int], list[float]]] = {}
         for point in tqdm(points, desc="profiling step costs", unit="point", leave=False):
             step = _step(reqs, point, runner.vocab_size)
             seconds = _time(runner, kv, step, repeats, point_seconds)
             tokens, measured = rows.setdefault(point.num_seqs, ([], []))
+            if point.per_seq > 1:  # the rollback term is apart: every draft here is rejected
+                # (and no verify step costs less than the decodes it extends, measured first)
+                seconds = max(seconds - rollback * point.num_seqs, measured[0])
             tokens.append(point.num_tokens)
             measured.append(seconds)
-        rollback = _rollback_seconds(runner, kv, reqs[: min(8, max(rows))], repeats)
     finally:
         for req in reqs:
             kv.free(req.request_id)
@@ -142,7 +149,7 @@ def _plan(
 
 
 def _step(reqs: list[Request], point: _Point, vocab_size: int) -> SchedulerStep:
-    """Decodes (1 token each) or verify-shaped rows (`per_seq` each) after CONTEXT computed
+    """Decodes (1 token each) or decodes with `per_seq` - 1 drafts after CONTEXT computed
     positions; a prefill-sized point: decodes and one prefill chunk from position 0 making
     `num_tokens`. Every input token is known, as sampled tokens would be."""
     seqs = []
@@ -152,8 +159,9 @@ def _step(reqs: list[Request], point: _Point, vocab_size: int) -> SchedulerStep:
         n = point.num_tokens - (point.num_seqs - 1) if prefill else max(point.per_seq, 1)
         req.prompt_ids = [(31 * p + i) % vocab_size for p in range(start + n)]
         req.slot = i
-        seqs.append(ScheduledSeq(req, start, n, True, 0))
-    seqs.sort(key=lambda s: not s.is_decode)
+        draft = req.prompt_ids[start + 1 :] if not prefill else []
+        seqs.append(ScheduledSeq(req, start, n, True, 0, draft=draft))
+    seqs.sort(key=lambda s: s.order)
     return SchedulerStep(seqs)
 
 
