@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 # with overlap, a request whose drafts went unverified this many decodes in a row is held back
 # once (its last token known on the host) to be drafted again
-PROBE_EVERY = 16
+PROBE_EVERY = 8
 
 
 @dataclass
