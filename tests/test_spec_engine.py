@@ -190,10 +190,10 @@ BIASED = SamplingParams(
 )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter):
-    """The real drafters, built by name with the adaptive policy over a cost table profiled
-    at engine start (build_engine's wiring), beside a plain request."""
+@pytest.mark.parametrize(("drafter", "policy"), [("ngram", "adaptive"), ("suffix", "fixed")])
+async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter, policy):
+    """The real drafters, built by name as build_engine wires them (the adaptive policy over a
+    cost table profiled at engine start), beside a plain request."""
     plain_engine = await started(checkpoint, overlap=False)
     params = [BIASED, GREEDY, BIASED]
     try:
@@ -201,12 +201,12 @@ async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter):
     finally:
         await plain_engine.stop()
     engine = await started(
-        checkpoint, overlap=False, max_num_seqs=4, speculative=drafter, spec_policy="adaptive"
+        checkpoint, overlap=False, max_num_seqs=4, speculative=drafter, spec_policy=policy
     )
     try:
         spec = engine.scheduler.speculator
         assert spec is not None and spec.drafter.name == drafter
-        assert type(spec.policy).__name__ == "AdaptivePolicy"
+        assert type(spec.policy).__name__ == f"{policy.capitalize()}Policy"
         first = await run_all(engine, prompts[:3], params)
         again = await run_all(engine, prompts[:3], params)  # suffix: finds the first run's
         stats = engine.stats()
