@@ -215,3 +215,34 @@ async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter, po
     assert [tokens(o) for o in first] == [tokens(o) for o in again] == [tokens(o) for o in plain]
     assert stats["spec_drafts"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_verify_rows_run_in_the_compiled_decode_forward(checkpoint, prompts):
+    """Dense verify rows are one-token decodes: a step of decodes and drafts runs in the
+    compiled CPU decode forward (sized for the drafts), to the same greedy output."""
+    engine = await started(
+        checkpoint, enforce_eager=False, speculative="ngram", spec_policy="fixed", max_num_seqs=4
+    )
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    rows: list[int] = []
+    run = graphs.run
+
+    def spy(input_ids, positions, batch):
+        hidden = run(input_ids, positions, batch)
+        if hidden is not None:
+            rows.append(batch.num_decodes)
+        return hidden
+
+    graphs.run = spy
+    try:
+        engine.scheduler.speculator = None
+        plain = await run_all(engine, prompts[:2], [GREEDY] * 2)
+        drafter = OracleDrafter({tuple(p): tokens(o) for p, o in zip(prompts, plain)}, VOCAB)
+        speculate(engine, drafter)
+        rows.clear()
+        drafted = await run_all(engine, prompts[:2], [GREEDY] * 2)
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in drafted] == [tokens(o) for o in plain]
+    assert max(rows) > 2  # more rows than requests: verify rows, compiled
