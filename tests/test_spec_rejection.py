@@ -237,6 +237,21 @@ def test_two_emitted_tokens_are_distributed_as_p1_times_p2(model_drafts: bool) -
     assert not chi_square_ok(drawn, torch.outer(p1, p2))
 
 
+def test_a_draft_the_target_cannot_emit_is_always_rejected() -> None:
+    n = 4000
+    p = SamplingParams(temperature=1.0, top_k=3)
+    row = torch.randn(V, generator=gen(60))
+    want = target(row, p)
+    banned = int(want.argmin())  # outside the top 3
+    q = torch.zeros(V)
+    q[banned] = 1.0
+    draft = torch.full((n,), banned)
+    for probs, seed in ((None, 61), (q, 62)):  # every row rejected: no bonus row is drawn
+        tokens = first_tokens(p, row, draft, probs, seed)
+        assert banned not in tokens.tolist()
+        assert chi_square_ok(torch.bincount(tokens, minlength=V), want)
+
+
 def test_a_draft_distribution_of_the_wrong_shape_is_refused() -> None:
     with pytest.raises(ValueError, match="draft_probs"):
         verify(
