@@ -12,6 +12,7 @@ import torch
 from daemon.loop.request import SamplingParams
 from daemon.loop.sampler import SamplingBatch, sample
 from daemon.loop.spec.rejection import verify
+from kernels import sampling_cpu
 
 V = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -184,8 +185,12 @@ def first_tokens(
     return torch.tensor([t[0] for t in out.tokens])
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("p", WARPS, ids=["t1", "top_k", "top_p", "min_p"])
-def test_the_first_token_is_distributed_as_the_target(p: SamplingParams) -> None:
+def test_the_first_token_is_distributed_as_the_target(
+    monkeypatch: pytest.MonkeyPatch, p: SamplingParams, kernel: bool
+) -> None:
+    monkeypatch.setattr(sampling_cpu, "ENABLED", kernel)  # the C++ sampler, or torch's (GPUs)
     n = 6000
     row = torch.randn(V, generator=gen(40))
     want = target(row, p)
