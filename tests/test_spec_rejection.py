@@ -141,6 +141,24 @@ def test_seeded_rows_with_draft_distributions_reproduce() -> None:
     assert len(outcomes) > 1  # the output index moves the stream
 
 
+def test_a_seeded_row_is_decided_by_its_own_output_index() -> None:
+    """Verifying [a, b] at output index 2 and, once a is taken, [b] at index 3 decide b alike:
+    each row draws from its own index's stream, however the drafts are split into steps."""
+    rows = torch.randn(3, V, generator=gen(70))
+    q = torch.randn(2, V, generator=gen(71)).softmax(-1)
+    draft = [int(rows[0].argmax()), int(rows[1].argsort()[V // 2])]  # b: often rejected
+    compared, rejected = 0, 0
+    for seed in range(40):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        both = verify(rows, [draft], [q], batch([p], [2]), gen(0))
+        if both.num_accepted[0] >= 1:
+            second = verify(rows[1:], [draft[1:]], [q[1:]], batch([p], [3]), gen(1))
+            assert second.tokens[0] == both.tokens[0][1:]
+            compared += 1
+            rejected += both.num_accepted[0] == 1
+    assert compared > 5 and 0 < rejected < compared
+
+
 def test_a_mixed_batch_decides_each_sequence_as_alone() -> None:
     vocab = 64
     seeded = SamplingParams(temperature=0.9, seed=21)
