@@ -16,7 +16,7 @@ from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from daemon.models.loader import load_model
 
 CPU = torch.device("cpu")
-MAX_SEQS = 4
+MAX_SEQS = 5
 BATCHED = 256
 
 
@@ -40,7 +40,7 @@ def test_profile_measures_every_batch_size(dense) -> None:
     free = [u.num_free for u in kv.usage()]
     state = runner.generator.get_state()
     table = profile(runner, kv, MAX_SEQS, BATCHED, k=3, repeats=2, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2, 4]
+    assert [r.num_seqs for r in table.rows] == [1, 4, 5]
     for row in table.rows:
         s = row.num_seqs
         assert row.num_tokens == [s, 2 * s, 4 * s, BATCHED]  # 1, 2 and k + 1 tokens each
@@ -56,13 +56,13 @@ def test_profile_measures_every_batch_size(dense) -> None:
 
 
 def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
-    # 2 sequences of 128 + 4 positions fit 24 blocks of 16 tokens, 4 do not
-    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=24 * 16)
-    assert kv.capacity_tokens() == 24 * 16
+    # 4 sequences of 128 + 4 positions fit 40 blocks of 16 tokens, 5 do not
+    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=40 * 16)
+    assert kv.capacity_tokens() == 40 * 16
     table = profile(runner, kv, MAX_SEQS, 96, k=3, repeats=1, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2]
+    assert [r.num_seqs for r in table.rows] == [1, 4]
     assert table.rows[0].num_tokens == [1, 2, 4, 96]
-    assert table.seconds(16, 4) > 0  # extrapolated
+    assert table.seconds(25, 5) > 0  # extrapolated
     assert all(u.num_free == u.num_blocks for u in kv.usage())
 
 

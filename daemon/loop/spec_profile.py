@@ -42,7 +42,7 @@ def profile(
     repeats: int = 5,
     point_seconds: float = 0.5,
 ) -> CostTable:
-    """Time steps over 1, 2, 4, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
+    """Time steps over 1, 4, 16, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
     (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
     size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
     as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
@@ -132,7 +132,7 @@ def _plan(
     """The grid, by batch size and then tokens, with every block it needs taken from `kv` now:
     the decode / verify rows of every batch size that fits first, then the prefill chunk."""
     per_seq = sorted({1, 2, k // 2 + 1, k + 1})
-    seq_counts = sorted({min(1 << e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
+    seq_counts = sorted({min(4**e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
     fitted = []
     for s in seq_counts:
         if not all(kv.grow(r.request_id, CONTEXT + k + 1) for r in reqs[:s]):
