@@ -46,12 +46,13 @@ def profile(
     (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
     size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
     as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
-    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point is the median of up to `repeats` runs after an untimed
-    one, fewer once the point has taken `point_seconds` (a first run that long is its own
-    measurement); each row is then made non-decreasing in tokens, against the noise of a
-    shared machine. Must run before any request: the synthetic sequences take blocks from
-    `kv` and write them, and give them back after. Batch sizes whose sequences the KV pool
-    cannot hold are left out (the table extrapolates)."""
+    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point
+    is the median of up to `repeats` runs after an untimed one, fewer once the point has taken
+    `point_seconds` (a first run that long is its own measurement); each row is then made
+    non-decreasing in tokens, against the noise of a shared machine. Must run before any
+    request: the synthetic sequences take blocks from `kv` and write them, and give them back
+    after. Batch sizes whose sequences the KV pool cannot hold are left out (the table
+    extrapolates)."""
     generator_state = runner.generator.get_state()
     previous_threads = torch.get_num_threads()
     started = time.perf_counter()
