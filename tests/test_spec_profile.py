@@ -68,7 +68,7 @@ def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
 
 def test_profile_times_the_rollback_of_per_request_state(tmp_path) -> None:
     runner, kv = _engine_parts(make_v4_checkpoint(tmp_path), 64 << 20)
-    table = profile(runner, kv, 2, 64, k=1, repeats=1, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2]
+    table = profile(runner, kv, 1, 64, k=1, repeats=1, point_seconds=0.05)
+    assert [(r.num_seqs, r.num_tokens) for r in table.rows] == [(1, [1, 2, 64])]
     assert table.rollback_seconds > 0  # the ring and compressor state are copied
     assert all(u.num_free == u.num_blocks for u in kv.usage())
