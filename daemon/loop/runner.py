@@ -519,11 +519,7 @@ class ModelRunner:
         logprobs = None
         if sb.max_logprobs is not None:
             flat = torch.tensor([t for ts in out.tokens for t in ts], dtype=torch.long, device=dev)
-            first = 0  # each sequence's first row in `rows`
-            taken: list[int] = []
-            for draft, seq_rows in zip(vr.drafts, out.rows):
-                taken.extend(first + r for r in seq_rows)
-                first += len(draft) + 1
+            taken = [r for seq_rows in out.rows for r in seq_rows]  # rows of logits[rows]
             at = torch.tensor(taken, dtype=torch.long, device=dev)
             logprobs = add_logprobs(
                 SampleResult(flat, None, None, None), raw[rows][at], sb.max_logprobs

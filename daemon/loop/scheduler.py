@@ -22,6 +22,10 @@ from daemon.loop.spec.speculator import Speculator
 
 log = structlog.get_logger(__name__)
 
+# with overlap, a request whose drafts went unverified this many decodes in a row is held back
+# once (its last token known on the host) to be drafted again
+PROBE_EVERY = 8
+
 
 @dataclass
 class ScheduledSeq:
@@ -117,6 +121,8 @@ class Scheduler:
                 continue  # its grammar must see its last token before masking the next one
             if req.verifying:
                 continue  # its length is known once its verify step is processed
+            if self._held_for_drafts(req):
+                continue
             n = min(self._tokens_to_compute(req), budget)
             if n == 0:
                 continue
@@ -158,11 +164,11 @@ class Scheduler:
         chosen = 0
         for seq, plan in zip(seqs, plans):
             n = min(plan.length, budget)
-            if n <= 0:
-                continue
             req = seq.request
-            if not self.kv.grow(req.request_id, req.num_computed + n):
+            if n <= 0 or not self.kv.grow(req.request_id, req.num_computed + n):
+                req.decodes_without_drafts = 1
                 continue
+            req.decodes_without_drafts = 0
             seq.draft, seq.proposal = plan.tokens[:n], plan.proposal
             seq.num_tokens += n
             req.num_computed += n
@@ -171,22 +177,35 @@ class Scheduler:
             chosen += n
         spec.stats.on_budget(chosen)
 
+    def _held_for_drafts(self, req: Request) -> bool:
+        """With overlap: a decode whose last token is still on the device cannot be drafted
+        for; it is held back for a step (its token then known) while its drafts have been
+        worth verifying, and every PROBE_EVERY decodes once they have not."""
+        if self.speculator is None or req.num_known_tokens == req.seq_len:
+            return False  # nothing in flight that it waits on
+        if req.num_computed != req.seq_len - 1 or not _may_draft(req):
+            return False
+        if req.params.max_tokens - req.num_sampled_scheduled < 2:
+            return False  # no draft could follow its next token
+        if req.decodes_without_drafts in range(1, PROBE_EVERY):
+            req.decodes_without_drafts += 1
+            return False
+        return True
+
     @staticmethod
     def _may_speculate(seq: ScheduledSeq) -> bool:
         """A decode whose input is the request's last known token (no step of it in flight),
         with tokens left after this one; penalties and grammars are left out (their state
         would have to advance along the draft)."""
         req = seq.request
-        p = req.params
         return (
             seq.is_decode
             and not seq.first
             and seq.restore is None
             and not seq.replay
             and req.num_known_tokens == seq.start + 1
-            and req.num_sampled_scheduled < p.max_tokens
-            and not p.has_penalties
-            and p.constraint is None
+            and req.num_sampled_scheduled < req.params.max_tokens
+            and _may_draft(req)
         )
 
     def verified(self, seq: ScheduledSeq, accepted: int, state_at: int | None) -> None:
@@ -300,3 +319,10 @@ class Scheduler:
         self._release(req, final=True)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _may_draft(req: Request) -> bool:
+    """Penalties and grammars are left out of speculation (their state would have to advance
+    along the draft)."""
+    p = req.params
+    return not p.has_penalties and p.constraint is None
