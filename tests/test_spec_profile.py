@@ -11,7 +11,7 @@ import torch
 from daemon.kv.manager import KVManager, pool_sizes
 from daemon.loop.runner import ModelRunner
 from daemon.loop.spec.cost import CostTable
-from daemon.loop.spec_profile import profile
+from daemon.loop.spec_profile import _non_decreasing, profile
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from daemon.models.loader import load_model
 
@@ -35,11 +35,20 @@ def dense(tmp_path_factory) -> tuple[ModelRunner, KVManager]:
     return _engine_parts(make_dense_checkpoint(tmp_path_factory.mktemp("llama")), tokens=8192)
 
 
-def test_profile_measures_every_batch_size(dense) -> None:
+def test_profile_measures_every_batch_size(dense, monkeypatch) -> None:
     runner, kv = dense
     free = [u.num_free for u in kv.usage()]
     state = runner.generator.get_state()
+    prepare, verified = runner.prepare, []
+
+    def watched(step, kv, ops):
+        prepared = prepare(step, kv, ops)
+        verified.append(0 if prepared.verify is None else len(prepared.verify.seqs))
+        return prepared
+
+    monkeypatch.setattr(runner, "prepare", watched)
     table = profile(runner, kv, MAX_SEQS, BATCHED, k=3, repeats=2, point_seconds=0.05)
+    assert set(verified) == {0, 1, 4, 5}  # verify points: every sequence verifies its drafts
     assert [r.num_seqs for r in table.rows] == [1, 4, 5]
     for row in table.rows:
         s = row.num_seqs
@@ -72,3 +81,9 @@ def test_profile_times_the_rollback_of_per_request_state(tmp_path) -> None:
     assert [(r.num_seqs, r.num_tokens) for r in table.rows] == [(1, [1, 2, 64])]
     assert table.rollback_seconds > 0  # the ring and compressor state are copied
     assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
+def test_rows_are_made_non_decreasing() -> None:
+    assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert _non_decreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
