@@ -23,7 +23,7 @@ from daemon.loop.spec.speculator import Speculator
 log = structlog.get_logger(__name__)
 
 # with overlap, a request whose drafts went unverified this many decodes in a row is held back
-# once (its last token known on the host) to be drafted again
+# once (its last token known on the host) to be drafted again; then after twice as many, ...
 PROBE_EVERY = 8
 
 
@@ -166,7 +166,7 @@ class Scheduler:
             n = min(plan.length, budget)
             req = seq.request
             if n <= 0 or not self.kv.grow(req.request_id, req.num_computed + n):
-                req.decodes_without_drafts = 1
+                req.decodes_without_drafts += 1
                 continue
             req.decodes_without_drafts = 0
             seq.draft, seq.proposal = plan.tokens[:n], plan.proposal
@@ -180,17 +180,19 @@ class Scheduler:
     def _held_for_drafts(self, req: Request) -> bool:
         """With overlap: a decode whose last token is still on the device cannot be drafted
         for; it is held back for a step (its token then known) while its drafts have been
-        worth verifying, and every PROBE_EVERY decodes once they have not."""
+        worth verifying, and once they have not, after PROBE_EVERY decodes without, twice as
+        many, and so on (each hold costs it a step)."""
         if self.speculator is None or req.num_known_tokens == req.seq_len:
             return False  # nothing in flight that it waits on
         if req.num_computed != req.seq_len - 1 or not _may_draft(req):
             return False
         if req.params.max_tokens - req.num_sampled_scheduled < 2:
             return False  # no draft could follow its next token
-        if req.decodes_without_drafts in range(1, PROBE_EVERY):
-            req.decodes_without_drafts += 1
-            return False
-        return True
+        n = req.decodes_without_drafts
+        if n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0):
+            return True
+        req.decodes_without_drafts += 1
+        return False
 
     @staticmethod
     def _may_speculate(seq: ScheduledSeq) -> bool:
