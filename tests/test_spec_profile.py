@@ -83,6 +83,18 @@ def test_profile_times_the_rollback_of_per_request_state(tmp_path) -> None:
     assert all(u.num_free == u.num_blocks for u in kv.usage())
 
 
+def test_profile_keeps_within_the_token_budget(dense) -> None:
+    runner, kv = dense
+    table = profile(runner, kv, MAX_SEQS, 12, k=3, repeats=1, point_seconds=0.05)
+    # 1, 2 and 4 tokens a sequence where they fit 12, then the prefill-sized step
+    assert [(r.num_seqs, r.num_tokens) for r in table.rows] == [
+        (1, [1, 2, 4, 12]),
+        (4, [4, 8, 12]),
+        (5, [5, 10, 12]),
+    ]
+    assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
 def test_rows_are_made_non_decreasing() -> None:
     assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert _non_decreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]

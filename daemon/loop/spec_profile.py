@@ -43,9 +43,9 @@ def profile(
     point_seconds: float = 0.5,
 ) -> CostTable:
     """Time steps over 1, 4, 16, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
-    (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
-    size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
-    as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
+    (a few points: a decode and its drafts, verified; none past `max_num_batched_tokens`, which
+    no step exceeds), and a prefill-sized step of each batch size (decodes and one chunk making
+    `max_num_batched_tokens`): host preparation included, as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
     restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point
     is the median of up to `repeats` runs after an untimed one, fewer once the point has taken
     `point_seconds` (a first run that long is its own measurement); each row is then made
@@ -136,6 +136,8 @@ def _plan(
     seq_counts = sorted({min(4**e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
     fitted = []
     for s in seq_counts:
+        if s > max_num_batched_tokens:
+            break  # no step has that many decodes
         if not all(kv.grow(r.request_id, CONTEXT + k + 1) for r in reqs[:s]):
             break
         fitted.append(s)
@@ -143,9 +145,11 @@ def _plan(
     prefill = bool(fitted) and kv.grow(reqs[0].request_id, max_num_batched_tokens)
     points: list[_Point] = []
     for s in fitted:
-        points.extend(_Point(s, n, s * n) for n in per_seq)
-        if prefill and max_num_batched_tokens > s * (k + 1):
-            points.append(_Point(s, 0, max_num_batched_tokens))
+        # no step is larger than the scheduler's token budget (drafts count against it)
+        row = [_Point(s, n, s * n) for n in per_seq if s * n <= max_num_batched_tokens]
+        if prefill and max_num_batched_tokens > row[-1].num_tokens:
+            row.append(_Point(s, 0, max_num_batched_tokens))
+        points.extend(row)
     return points
 
 
