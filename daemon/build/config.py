@@ -53,6 +53,13 @@ class EngineConfig:
     moe_stats_interval: int = 1000  # steps between expert-load samples
     moe_rebalance_interval: int = 10000  # steps between placements (0 = only on command)
     moe_stats_window: int = 10  # samples the placement looks at
+    # speculative decoding: the drafter (loop.spec.drafters.DRAFTERS; None: off), the most
+    # drafts a request verifies in a step, and how many it does (loop.spec.policy.POLICIES:
+    # adaptive by expected tokens per second against a step-cost table profiled at start,
+    # fixed: all of them)
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
+    spec_policy: str = "adaptive"
 
 
 def _env_flag(name: str) -> bool:

@@ -28,6 +28,11 @@ from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.loop.runner import ModelRunner
 from daemon.loop.scheduler import Scheduler
+from daemon.loop.spec.drafters import build_drafter
+from daemon.loop.spec.policy import build_policy
+from daemon.loop.spec.speculator import Speculator
+from daemon.loop.spec.stats import SpecStats
+from daemon.loop.spec_profile import profile
 from daemon.models.gguf_checkpoint.reader import find_gguf
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
 from daemon.models.rope import UnsupportedRope
@@ -77,6 +82,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         cpu_threads,
         decode_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
         after_forward=forward_listener(moe),
+        spec_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
     )
     runner.warm_up()
     # the tier moves' queue takes the demotions of the blocks the KV manager reuses
@@ -89,7 +95,8 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
             max_model_len=max_model_len,
         )
     prefix = _prefix_cache(cfg, kv, queue, runner, hf_config, dtype) if queue else None
-    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix)
+    speculator = _speculator(cfg, runner, kv) if cfg.speculative else None
+    scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix, speculator)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     executor = lockstep_executor(moe, model, runner)
     store = prefix.store if prefix is not None else None
@@ -123,8 +130,24 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         decode_graphs=type(runner.graphs).__name__ if runner.graphs else None,
         host_cache_gb=cfg.host_cache_memory_gb if prefix else 0,
         kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
+        speculative=cfg.speculative,
+        spec_policy=cfg.spec_policy if cfg.speculative else None,
     )
     return engine, name
+
+
+def _speculator(cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> Speculator:
+    """The drafter and the verify-length policy; the adaptive one weighs drafts against step
+    costs measured now, on this device, before any request (logged as a table)."""
+    assert cfg.speculative is not None
+    k = cfg.num_speculative_tokens
+    cost = None
+    if cfg.spec_policy == "adaptive":
+        with failing_as("speculative decoding's step-cost profile", ValueError):
+            cost = profile(runner, kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, k)
+    policy = build_policy(cfg.spec_policy, k, cost)
+    stats = SpecStats(cfg.speculative, cfg.spec_policy)
+    return Speculator(build_drafter(cfg.speculative, k), policy, k, stats)
 
 
 def _tier_queue(cfg: EngineConfig, runner: ModelRunner) -> TierQueue | None:

@@ -173,6 +173,18 @@ class KVManager:
         assert isinstance(kind, SlidingWindowManager)
         return kind.snapshot_block(self.tables[request_id][self.swa_group])
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's trailing blocks past its first `num_tokens` positions (those
+        grown for draft tokens that were rejected): it then holds what a request of that
+        length holds."""
+        tables = self.tables.get(request_id)
+        if tables is None:
+            return
+        for table, kind, pool in zip(tables, self.kinds, self.pools):
+            keep = kind.blocks_for(num_tokens)
+            while len(table) > keep:
+                pool.decref(table.pop())
+
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)
         if tables is None:

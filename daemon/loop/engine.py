@@ -37,7 +37,7 @@ from daemon.loop.request import (
     SamplingParams,
 )
 from daemon.loop.runner import ModelRunner, StepResult
-from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
+from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -274,6 +274,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.finished(req)
         if self.observer is not None:
             self.observer.on_finished(req)
         self.outputs.remove(req)
@@ -297,6 +299,7 @@ class Engine:
                 "steps": self.steps,
             }
             | (prefix.snapshot_stats() if prefix is not None else {})
+            | (spec.stats.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
         )
 
@@ -387,18 +390,38 @@ class Engine:
             scored = step.seqs[i].request.prompt_logprobs
             scored[first : first + len(entries)] = entries
         samples = iter(zip(result.tokens, result.logprobs))
+        sample = 0
         for seq in step.seqs:
             req = seq.request
             req.num_inflight_steps -= 1
             if not seq.samples:
                 continue
             token, logprob = next(samples)
+            tokens, logprobs = [token], [logprob] if logprob else []
+            if seq.draft:
+                accepted = result.accepted[sample]
+                tokens[:0] = accepted
+                logprobs[:0] = result.accepted_logprobs[sample]
+                self._verified(seq, len(accepted), result.rolled_back[sample])
+            sample += 1
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
             if self.observer is not None:
                 self.observer.on_token(req)
-            finish = self.outputs.append_token(req, token, logprob)
-            self.outputs.emit(req, [token], [logprob] if logprob else [], finish)
+            finish = None
+            for n, t in enumerate(tokens, 1):
+                # a stop ends it mid-way: the tokens after are dropped
+                finish = self.outputs.append_token(req, t, logprobs[n - 1] if logprobs else None)
+                if finish is not None:
+                    break
+            self.outputs.emit(req, tokens[:n], logprobs[:n], finish)
             if finish is not None:
                 self._finish(req, finish)
         self._wakeup.set()
+
+    def _verified(self, seq: ScheduledSeq, accepted: int, rolled_back: int | None) -> None:
+        """A verify step's bookkeeping (the scheduler's) and its outcome (the speculator's)."""
+        req, spec = seq.request, self.scheduler.speculator
+        self.scheduler.verified(seq, accepted, rolled_back)
+        if spec is not None and seq.proposal is not None and not req.finished:
+            spec.observe(req, seq.proposal, len(seq.draft), accepted)

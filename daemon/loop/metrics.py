@@ -123,6 +123,8 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "deepinfer:num_preemptions", "Requests preempted (freed, recomputed).", value=preempted
         )
+        if "spec_drafts" in stats:
+            yield from _spec(stats)
         if "prefix_requests" not in stats:
             return
         yield from self._prefix(stats)
@@ -200,6 +202,55 @@ class _EngineCollector:
             yield swa
         if "kv_store_writes" in stats:
             yield from _store(stats)
+
+
+def _spec(stats: dict) -> Iterator[Metric]:
+    """Speculative decoding (vLLM's spec_decode counters, and the verify budget)."""
+    for name, key, doc in (
+        ("num_drafts", "spec_drafts", "Drafts verified (one per request and step)."),
+        ("num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+        ("num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
+        ("budget_tokens", "spec_budget_tokens", "Draft tokens chosen for verification."),
+        ("budget_steps", "spec_steps", "Steps that verified drafts."),
+    ):
+        yield CounterMetricFamily(f"deepinfer:spec_decode_{name}", doc, value=stats[key])
+    per_pos = CounterMetricFamily(
+        "deepinfer:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft.",
+        labels=["position"],
+    )
+    verified = CounterMetricFamily(
+        "deepinfer:spec_decode_num_verified_tokens_per_pos",
+        "Draft tokens verified, by position in the draft.",
+        labels=["position"],
+    )
+    rate = GaugeMetricFamily(
+        "deepinfer:spec_decode_acceptance_by_position",
+        "Of the drafts verified that far, the fraction accepted at each position.",
+        labels=["position"],
+    )
+    for j, (a, v, r) in enumerate(
+        zip(
+            stats["spec_accepted_by_position"],
+            stats["spec_verified_by_position"],
+            stats["spec_acceptance_by_position"],
+        )
+    ):
+        per_pos.add_metric([str(j)], a)
+        verified.add_metric([str(j)], v)
+        rate.add_metric([str(j)], r)
+    yield from (per_pos, verified, rate)
+    for name, key, doc in (
+        ("acceptance_rate", "spec_acceptance_rate", "Accepted / verified draft tokens."),
+        (
+            "mean_accepted_length",
+            "spec_mean_accepted_length",
+            "Tokens a verifying request gets per step (accepted drafts and one more).",
+        ),
+        ("budget_last", "spec_budget_last", "Draft tokens chosen in the last step."),
+        ("budget_mean", "spec_budget_mean", "Draft tokens chosen per verifying step."),
+    ):
+        yield GaugeMetricFamily(f"deepinfer:spec_decode_{name}", doc, value=stats[key])
 
 
 _STORE_FAILURES = {

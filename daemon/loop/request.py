@@ -134,6 +134,10 @@ class Request:
     num_computed: int = 0  # positions whose KV is computed or scheduled
     num_sampled_scheduled: int = 0  # samples scheduled, seen or not
     num_inflight_steps: int = 0
+    # a step verifying drafts is in flight: how many tokens it yields is known once processed
+    verifying: bool = False
+    # decodes since its drafts were last chosen for verification (speculative decoding)
+    decodes_without_drafts: int = 0
     slot: int = -1  # row in the runner's per-request device state while running
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

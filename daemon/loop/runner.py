@@ -4,6 +4,13 @@ forward + sampling (device side, off the event loop).
 Tokens sampled in step N are written to `last_tokens[slot]` on the device; a
 decode in step N+1 whose input the host has not seen yet carries -1 and reads
 it from there, so step N+1 never waits for step N's output on the host.
+
+A sequence with drafts (speculative decoding) has logits at each of its last len(draft) + 1
+rows; `rejection.verify` takes what the target agrees with. A model whose whole state is in
+paged blocks (dense) gets those rows as one-token decodes (a row attends to the positions up
+to its own, whose KV the step writes first), batched with the others; a cache with
+per-request state (DeepSeek-V4) is snapshotted before the forward and restored after a
+rejection, and the request recomputes from the snapshot's position.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from daemon.loop.sampler import (
     sample,
     target_logprobs,
 )
-from daemon.loop.scheduler import SchedulerStep
+from daemon.loop.scheduler import ScheduledSeq, SchedulerStep
+from daemon.loop.spec.rejection import verify
 from daemon.models.base import (
     AttentionMetadata,
     DecodeGraphs,
     Model,
     ModelCache,
+    RequestState,
     SeqSlice,
     SlidingWindowCache,
 )
@@ -56,19 +65,74 @@ class PromptSpan:
 
 
 @dataclass
+class VerifyRows:
+    """The sequences of a step that verify drafts."""
+
+    seqs: list[int]  # their index among the step's sampling sequences
+    rows: torch.Tensor  # [R] rows of the step's logits: len(draft) + 1 per sequence, in order
+    drafts: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
+    sampling: SamplingBatch  # one row per sequence
+    slots: torch.Tensor  # [N] their slots (last_tokens)
+    # per sequence: its block tables and the position its state is snapshotted at
+    states: list[tuple[list[list[int]], int]]
+
+
+class _VerifyBuilder:
+    """Collects a step's sequences with drafts while it is prepared."""
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+        self.rows: list[int] = []
+        self.drafts: list[list[int]] = []
+        self.draft_probs: list[torch.Tensor | None] = []
+        self.params: list[SamplingParams] = []
+        self.indices: list[int] = []
+        self.slots: list[int] = []
+        self.states: list[tuple[list[list[int]], int]] = []
+
+    def add(self, sample: int, rows: range, seq: ScheduledSeq, tables: list[list[int]]) -> None:
+        req = seq.request
+        self.seqs.append(sample)
+        self.rows.extend(rows)
+        self.drafts.append(list(seq.draft))
+        self.draft_probs.append(None)
+        self.params.append(req.params)
+        self.indices.append(seq.sample_index)
+        self.slots.append(req.slot)
+        self.states.append((tables, seq.start))
+
+    def build(self, vocab: int) -> VerifyRows | None:
+        if not self.seqs:
+            return None
+        return VerifyRows(
+            seqs=self.seqs,
+            rows=torch.tensor(self.rows, dtype=torch.long),
+            drafts=self.drafts,
+            draft_probs=self.draft_probs,
+            sampling=SamplingBatch.build(self.params, self.indices, vocab),
+            slots=torch.tensor(self.slots, dtype=torch.long),
+            states=self.states,
+        )
+
+
+@dataclass
 class PreparedStep:
     input_ids: torch.Tensor  # [T], -1 where the token is on the device only
     placeholder_rows: torch.Tensor  # rows of input_ids to fill from last_tokens
     placeholder_slots: torch.Tensor  # slots they read
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata  # the model's own, built by its cache
-    logits_rows: torch.Tensor  # [S] last token of each sampling sequence
+    logits_rows: torch.Tensor  # [L] forward rows whose logits are computed
+    # [S] the logits row of each sampling sequence without drafts
+    sample_rows: torch.Tensor | None
     sample_slots: torch.Tensor  # [S]
     sampling: SamplingBatch | None
     new_penalty_states: list[tuple[int, list[int], list[int]]]  # (slot, prompt, outputs)
-    penalty_rows: list[int]
+    penalty_rows: list[int]  # logits rows
     penalty_slots: list[int]
-    bitmask: torch.Tensor | None  # [S, ceil(V/32)] int32 grammar masks (constrained rows only)
+    penalty_params: list[SamplingParams]
+    bitmask: torch.Tensor | None  # [L, ceil(V/32)] int32 grammar masks (constrained rows only)
     bitmask_rows: list[int]
     # logit_bias entries: the logits row, token id and bias of each (None: no row has any)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -77,6 +141,17 @@ class PreparedStep:
     prompt_spans: list[PromptSpan]
     cache_ops: CacheOps  # tier moves and sliding-window saves, before anything reuses a block
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
+    verify: VerifyRows | None = None  # sequences with drafts (None: none)
+    num_samples: int = 0  # sampling sequences, with drafts or not
+
+
+@dataclass
+class Verified:
+    """What the verify rows of a step gave, per sequence with drafts."""
+
+    tokens: list[list[int]]  # accepted drafts, then one more token
+    rolled_back: list[int | None]  # the position its state was restored to, if it was
+    logprobs: SampleResult | None  # flat over `tokens` (device tensors), when asked for
 
 
 @dataclass
@@ -85,6 +160,12 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
     # (seq index in the step, first prompt position, its entries) per PromptSpan
     prompt_logprobs: list[tuple[int, int, list[TokenLogprob]]] = field(default_factory=list)
+    # per sampling sequence (empty: no sequence had drafts): the accepted drafts before its
+    # token, their logprobs (where asked for), and where its per-request state was rolled back
+    # to (None: not rolled back)
+    accepted: list[list[int]] = field(default_factory=list)
+    accepted_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    rolled_back: list[int | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -99,14 +180,19 @@ class ModelRunner:
         cpu_threads: int = 0,
         decode_graphs: bool = False,
         after_forward: Callable[[], None] | None = None,
+        spec_tokens: int = 0,
     ) -> None:
         """`decode_graphs`: ask the model for its decode graphs (CUDA graphs on cuda, a
         compiled forward on a CPU; a model may have none). `after_forward`: called on the
-        device thread after each forward (the MoE load statistics)."""
+        device thread after each forward (the MoE load statistics). `spec_tokens`: the most
+        drafts a request verifies in a step (0: no speculative decoding)."""
         self.model = model
         self.device = device
+        # draft rows as one-token decodes: only where a request's whole state is paged
+        self.drafts_as_decodes = not any(g.spec.per_request for g in kv_groups)
         # decode steps by graph replay (or compiled); the cache pads them to the graphs' shapes
-        graph_batch = max_num_seqs if decode_graphs and device.type in GRAPH_DEVICES else 0
+        rows = max_num_seqs * (1 + spec_tokens) if self.drafts_as_decodes else max_num_seqs
+        graph_batch = rows if decode_graphs and device.type in GRAPH_DEVICES else 0
         self.cache: ModelCache = model.allocate_cache(kv_groups, num_blocks, device, graph_batch)
         self.graphs: DecodeGraphs | None = (
             model.decode_graphs(self.cache, device, graph_batch) if graph_batch else None
@@ -161,12 +247,14 @@ class ModelRunner:
         placeholder_slots: list[int] = []
         slices: list[SeqSlice] = []
         logits_rows: list[int] = []
+        sample_rows: list[int] = []
         sample_slots: list[int] = []
         sample_params: list[SamplingParams] = []
         sample_indices: list[int] = []
         new_penalty_states = []
         penalty_rows: list[int] = []
         penalty_slots: list[int] = []
+        penalty_params: list[SamplingParams] = []
         restores: list[tuple[RestoreOp, list[list[int]]]] = []
         constrained: list[tuple[int, Constraint]] = []
         bias_rows: list[int] = []
@@ -175,27 +263,34 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_spans: list[PromptSpan] = []
+        verify = _VerifyBuilder()
+        num_samples = 0
 
         for i, seq in enumerate(step.seqs):
             req = seq.request
             start, n = seq.start, seq.num_tokens
             end = start + n
+            d = len(seq.draft)
             q_start = len(input_ids)
-            known = min(end, req.num_known_tokens)
+            known = min(end - d, req.num_known_tokens)
             if start < known:
                 input_ids.extend(
                     req.prompt_ids[start:known]
                     if known <= req.num_prompt_tokens
                     else [req.token_at(p) for p in range(start, known)]
                 )
-            for _ in range(max(known, start), end):
+            for _ in range(max(known, start), end - d):
                 placeholder_rows.append(len(input_ids))
                 placeholder_slots.append(req.slot)
                 input_ids.append(-1)
+            input_ids.extend(seq.draft)
             positions.extend(range(start, end))
             tables = kv.block_tables(req.request_id)
             floor = req.prefix.replay_from if seq.replay else 0
-            slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
+            if d and self.drafts_as_decodes:
+                slices.extend(SeqSlice(q_start + j, start + j, 1, tables, True) for j in range(n))
+            else:
+                slices.append(SeqSlice(q_start, start, n, tables, seq.is_decode, seq.replay, floor))
             if seq.restore is not None:
                 restores.append((seq.restore, [list(t) for t in tables]))
             # prompt logprobs, once (a recompute after the first sample has them already)
@@ -208,20 +303,32 @@ class ModelRunner:
                 prompt_targets.extend(req.prompt_ids[start + 1 : last + 1])
             if seq.first and req.params.has_penalties:
                 new_penalty_states.append((req.slot, list(req.prompt_ids), list(req.output_ids)))
-            if seq.samples:
-                if req.params.has_penalties:
-                    penalty_rows.append(len(logits_rows))
-                    penalty_slots.append(req.slot)
-                if req.params.constraint is not None:
-                    constrained.append((len(logits_rows), req.params.constraint))
-                if bias := req.params.logit_bias:
-                    bias_rows.extend([len(logits_rows)] * len(bias))
+            if not seq.samples:
+                continue
+            rows = range(len(logits_rows), len(logits_rows) + d + 1)
+            logits_rows.extend(range(len(input_ids) - d - 1, len(input_ids)))
+            if bias := req.params.logit_bias:
+                for row in rows:
+                    bias_rows.extend([row] * len(bias))
                     bias_ids.extend(bias.keys())
                     bias_values.extend(bias.values())
-                logits_rows.append(len(input_ids) - 1)
-                sample_slots.append(req.slot)
-                sample_params.append(req.params)
-                sample_indices.append(seq.sample_index)
+            if d:
+                probs = seq.proposal.probs if seq.proposal is not None else None
+                verify.add(num_samples, rows, seq, [list(t) for t in tables])
+                verify.draft_probs[-1] = probs[:d] if probs is not None else None
+                num_samples += 1
+                continue
+            num_samples += 1
+            if req.params.has_penalties:
+                penalty_rows.append(rows[0])
+                penalty_slots.append(req.slot)
+                penalty_params.append(req.params)
+            if req.params.constraint is not None:
+                constrained.append((rows[0], req.params.constraint))
+            sample_rows.append(rows[0])
+            sample_slots.append(req.slot)
+            sample_params.append(req.params)
+            sample_indices.append(seq.sample_index)
 
         bitmask, bitmask_rows = None, []
         if constrained:
@@ -235,6 +342,10 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long),
             attention=self.cache.build_attention(slices),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            # every row samples (no drafts): the logits are the sampled rows already
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long)
+            if len(sample_rows) != len(logits_rows)
+            else None,
             sample_slots=torch.tensor(sample_slots, dtype=torch.long),
             sampling=SamplingBatch.build(sample_params, sample_indices, self.vocab_size)
             if sample_params
@@ -242,6 +353,7 @@ class ModelRunner:
             new_penalty_states=new_penalty_states,
             penalty_rows=penalty_rows,
             penalty_slots=penalty_slots,
+            penalty_params=penalty_params,
             bitmask=bitmask,
             bitmask_rows=bitmask_rows,
             logit_bias=(
@@ -256,6 +368,8 @@ class ModelRunner:
             prompt_spans=prompt_spans,
             cache_ops=cache_ops,
             restores=restores,
+            verify=verify.build(self.vocab_size),
+            num_samples=num_samples,
         )
 
     # ---- device side (worker thread) -------------------------------------------------------
@@ -292,26 +406,30 @@ class ModelRunner:
         """Run one step; `launched` is called once all of its work is queued on the device,
         before this thread blocks on it (on a CPU: once it is done)."""
         if self.stream is None:
-            result, prompt = self._execute(step)
+            result, prompt, verified = self._execute(step)
             if launched is not None:
                 launched()
-            return self._to_host(result, prompt, step)
+            return self._to_host(result, prompt, verified, step)
         # Accelerators: launch on our stream, copy the few result values to the
         # host asynchronously and block this worker thread (not the event loop) on an event.
         with self.device_module.stream(self.stream):
-            result, prompt = self._execute(step)
+            result, prompt, verified = self._execute(step)
             result, prompt = _to_cpu(result), _to_cpu(prompt)
-            if result is not None or prompt is not None:
+            if verified is not None:
+                verified.logprobs = _to_cpu(verified.logprobs)
+            if result is not None or prompt is not None or verified is not None:
                 done = self.device_module.Event()
                 done.record(self.stream)
         if launched is not None:
             launched()
-        if result is None and prompt is None:
+        if result is None and prompt is None and verified is None:
             return StepResult([], [])
         done.synchronize()
-        return self._to_host(result, prompt, step)
+        return self._to_host(result, prompt, verified, step)
 
-    def _execute(self, step: PreparedStep) -> tuple[SampleResult | None, TargetLogprobs | None]:
+    def _execute(
+        self, step: PreparedStep
+    ) -> tuple[SampleResult | None, TargetLogprobs | None, Verified | None]:
         dev = self.device
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
@@ -321,6 +439,9 @@ class ModelRunner:
             assert window is not None
             for restore, tables in step.restores:
                 window.restore(restore, tables)
+        vr = step.verify
+        # before the forward writes the drafts' state (empty where all of it is paged)
+        snapshots = [self.cache.snapshot(t, p) for t, p in vr.states] if vr is not None else []
         input_ids = step.input_ids.to(dev, non_blocking=True)
         if step.placeholder_rows.numel():
             rows = step.placeholder_rows.to(dev, non_blocking=True)
@@ -334,27 +455,76 @@ class ModelRunner:
         for slot, prompt, outputs in step.new_penalty_states:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
         prompt = self._prompt_logprobs(hidden, step) if step.prompt_spans else None
-        if step.sampling is None:
-            return None, prompt
+        if step.num_samples == 0:
+            return None, prompt, None
         logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
-        sb = step.sampling.to(dev)
-        raw = logits.clone() if sb.max_logprobs is not None else logits
+        sb = step.sampling.to(dev) if step.sampling is not None else None
+        wants_logprobs = (sb is not None and sb.max_logprobs is not None) or (
+            vr is not None and vr.sampling.max_logprobs is not None
+        )
+        raw = logits.clone() if wants_logprobs else logits
         if step.penalty_rows:
             states = [self.penalties[s] for s in step.penalty_slots]
-            params = [sb.params[r] for r in step.penalty_rows]
-            apply_penalties(logits, step.penalty_rows, states, params)
+            apply_penalties(logits, step.penalty_rows, states, step.penalty_params)
         if step.logit_bias is not None:
             apply_logit_bias(logits, *(t.to(dev, non_blocking=True) for t in step.logit_bias))
         if step.bitmask is not None:
             apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
+        result = self._sample(logits, raw, sb, step) if sb is not None else None
+        verified = self._verify(logits, raw, vr, snapshots) if vr is not None else None
+        return result, prompt, verified
+
+    def _sample(
+        self, logits: torch.Tensor, raw: torch.Tensor, sb: SamplingBatch, step: PreparedStep
+    ) -> SampleResult:
+        """The sequences without drafts: one token each, from their one row."""
+        if step.sample_rows is not None:
+            rows = step.sample_rows.to(self.device, non_blocking=True)
+            logits, raw = logits[rows], raw[rows]
+        penalty_rows = step.penalty_rows
+        if step.sample_rows is not None and penalty_rows:
+            at = {row: i for i, row in enumerate(step.sample_rows.tolist())}
+            penalty_rows = [at[row] for row in penalty_rows]
         result = sample(logits, sb, self.generator)
-        slots = step.sample_slots.to(dev, non_blocking=True)
+        slots = step.sample_slots.to(self.device, non_blocking=True)
         self.last_tokens[slots] = result.tokens
-        for row, slot in zip(step.penalty_rows, step.penalty_slots):
+        for row, slot in zip(penalty_rows, step.penalty_slots):
             self.penalties[slot].output_counts[result.tokens[row]] += 1
         if sb.max_logprobs is not None:
             result = add_logprobs(result, raw, sb.max_logprobs)
-        return result, prompt
+        return result
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        raw: torch.Tensor,
+        vr: VerifyRows,
+        snapshots: list[RequestState],
+    ) -> Verified:
+        """The sequences with drafts: what the target takes of each, its state rolled back
+        where it rejected a draft, and the logprobs of every token taken (from raw rows)."""
+        dev = self.device
+        rows = vr.rows.to(dev, non_blocking=True)
+        sb = vr.sampling.to(dev)
+        out = verify(logits[rows], vr.drafts, vr.draft_probs, sb, self.generator)
+        last = torch.tensor([t[-1] for t in out.tokens], dtype=torch.long)
+        self.last_tokens[vr.slots.to(dev, non_blocking=True)] = last.to(dev, non_blocking=True)
+        rolled_back: list[int | None] = []
+        for snap, (tables, _), n, draft in zip(snapshots, vr.states, out.num_accepted, vr.drafts):
+            if n < len(draft) and snap.tensors:
+                self.cache.restore_state(snap, tables)
+                rolled_back.append(snap.position)
+            else:
+                rolled_back.append(None)
+        logprobs = None
+        if sb.max_logprobs is not None:
+            flat = torch.tensor([t for ts in out.tokens for t in ts], dtype=torch.long, device=dev)
+            taken = [r for seq_rows in out.rows for r in seq_rows]  # rows of logits[rows]
+            at = torch.tensor(taken, dtype=torch.long, device=dev)
+            logprobs = add_logprobs(
+                SampleResult(flat, None, None, None), raw[rows][at], sb.max_logprobs
+            )
+        return Verified(out.tokens, rolled_back, logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: PreparedStep) -> TargetLogprobs:
         """Each prompt row's logprob of the next prompt token: full-vocabulary logits for these
@@ -371,9 +541,15 @@ class ModelRunner:
         return TargetLogprobs.cat(parts)
 
     def _to_host(
-        self, result: SampleResult | None, prompt: TargetLogprobs | None, step: PreparedStep
+        self,
+        result: SampleResult | None,
+        prompt: TargetLogprobs | None,
+        verified: Verified | None,
+        step: PreparedStep,
     ) -> StepResult:
         out = StepResult([], []) if result is None else self._sampled(result, step.sampling)
+        if verified is not None:
+            out = _merge(out, verified, step.verify)
         if prompt is not None:
             out.prompt_logprobs = _prompt_entries(prompt, step)
         return out
@@ -386,17 +562,59 @@ class ModelRunner:
                 p.constraint.accept(token)
         if result.logprob is None:
             return StepResult(tokens, [None] * len(tokens))
-        chosen = result.logprob.tolist()
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        logprobs: list[TokenLogprob | None] = []
-        for i, p in enumerate(sb.params):
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            top = list(zip(top_ids[i][: p.logprobs], top_lps[i][: p.logprobs])) if top_ids else []
-            logprobs.append(TokenLogprob(tokens[i], chosen[i], top))
-        return StepResult(tokens, logprobs)
+        return StepResult(tokens, _token_logprobs(result, sb.params, [1] * len(tokens)))
+
+
+def _token_logprobs(
+    result: SampleResult, params: list[SamplingParams], counts: list[int]
+) -> list[TokenLogprob | None]:
+    """Entries of `result`'s tokens, `counts[i]` of them for the i-th sequence (None for
+    those of a sequence that asked for no logprobs)."""
+    tokens = result.tokens.tolist()
+    chosen = result.logprob.tolist()
+    top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+    top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+    out: list[TokenLogprob | None] = []
+    rows = (p for p, count in zip(params, counts) for _ in range(count))
+    for k, p in enumerate(rows):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        top = list(zip(top_ids[k][: p.logprobs], top_lps[k][: p.logprobs])) if top_ids else []
+        out.append(TokenLogprob(tokens[k], chosen[k], top))
+    return out
+
+
+def _merge(plain: StepResult, verified: Verified, vr: VerifyRows) -> StepResult:
+    """The step's results in sampling-sequence order: those without drafts from `plain`."""
+    counts = [len(t) for t in verified.tokens]
+    entries: list[TokenLogprob | None] = (
+        _token_logprobs(verified.logprobs, vr.sampling.params, counts)
+        if verified.logprobs is not None
+        else [None] * sum(counts)
+    )
+    by_seq = dict(zip(vr.seqs, range(len(vr.seqs))))
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    out = StepResult([], [])
+    p = 0
+    for i in range(len(plain.tokens) + len(vr.seqs)):
+        v = by_seq.get(i)
+        if v is None:
+            out.tokens.append(plain.tokens[p])
+            out.logprobs.append(plain.logprobs[p])
+            out.accepted.append([])
+            out.accepted_logprobs.append([])
+            out.rolled_back.append(None)
+            p += 1
+            continue
+        tokens = verified.tokens[v]
+        lps = entries[starts[v] : starts[v] + len(tokens)]
+        out.tokens.append(tokens[-1])
+        out.logprobs.append(lps[-1])
+        out.accepted.append(tokens[:-1])
+        out.accepted_logprobs.append([lp for lp in lps[:-1] if lp is not None])
+        out.rolled_back.append(verified.rolled_back[v])
+    return out
 
 
 def _to_cpu(result: Any) -> Any:

@@ -128,7 +128,27 @@ def _mask_top_k_top_p(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+def _warped(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k / top-p, then min-p: the weights sample() draws from (the mass that
+    min-p cut is not renormalised away)."""
+    x = logits / sb.temperature[:, None]
+    if sb.needs_top_k or sb.needs_top_p:
+        x = _mask_top_k_top_p(x, sb)
+    probs = x.softmax(dim=-1)
+    if sb.needs_min_p:
+        threshold = probs.max(dim=-1, keepdim=True).values * sb.min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def warped_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """[S, V] the distribution sample() draws each non-greedy row from (temperature, top-k,
+    top-p, min-p); a greedy row's is its softmax (sample() takes its argmax instead)."""
+    probs = _warped(logits, sb)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
     # The stream depends only on (seed, position in the output): batching and
     # preemption cannot change a seeded request's tokens.
     g = torch.Generator(device=device)
@@ -145,7 +165,7 @@ def _sample_cpu(
     u = torch.rand(logits.shape[0], generator=generator)
     for row, (p, idx) in enumerate(zip(sb.params, sb.sample_indices)):
         if p.seed is not None and not p.greedy:
-            u[row] = torch.rand(1, generator=_row_generator(p.seed, idx, logits.device))[0]
+            u[row] = torch.rand(1, generator=row_generator(p.seed, idx, logits.device))[0]
     weights = sampling_cpu.row_weights(logits, sb.temperature)
     return sampling_cpu.sample_rows(weights, sb.top_k, sb.top_p, sb.min_p, u)
 
@@ -160,18 +180,12 @@ def sample(
     elif sampling_cpu.supports(logits):
         tokens = torch.where(sb.greedy, greedy_tokens, _sample_cpu(logits, sb, generator))
     else:
-        x = logits / sb.temperature[:, None]
-        if sb.needs_top_k or sb.needs_top_p:
-            x = _mask_top_k_top_p(x, sb)
-        probs = x.softmax(dim=-1)
-        if sb.needs_min_p:
-            threshold = probs.max(dim=-1, keepdim=True).values * sb.min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = _warped(logits, sb)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=generator)
         for row, (p, idx) in enumerate(zip(sb.params, sb.sample_indices)):
             if p.seed is not None and not p.greedy:
-                noise[row].exponential_(generator=_row_generator(p.seed, idx, logits.device))
+                noise[row].exponential_(generator=row_generator(p.seed, idx, logits.device))
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(sb.greedy, greedy_tokens, sampled)

@@ -1,5 +1,6 @@
 """Continuous batching: a per-step token budget, chunked prefill mixed with decode,
-priority/FCFS admission and preemption (free and recompute) when KV blocks run out. The
+priority/FCFS admission and preemption (free and recompute) when KV blocks run out, and with
+a Speculator, draft tokens verified in the same step as the decodes they follow. The
 scheduler owns its KV manager and prefix cache, and asks for block-store reads in what it
 returns; it calls nothing above it."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -16,8 +17,14 @@ from daemon.kv.manager import KVManager
 from daemon.kv.prefix import PrefixCache
 from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
+from daemon.loop.spec.base import Draft
+from daemon.loop.spec.speculator import Speculator
 
 log = structlog.get_logger(__name__)
+
+# with overlap, a request whose drafts went unverified this many decodes in a row is held back
+# once (its last token known on the host) to be drafted again
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -30,10 +37,19 @@ class ScheduledSeq:
     replay: bool = False  # a bounded replay chunk: window limited to the replayed range
     restore: RestoreOp | None = None  # state to bring back before this step
     first: bool = False  # the request's first step since it was (re)admitted
+    # draft tokens verified this step: the last len(draft) of its num_tokens positions; it
+    # samples at each of its last len(draft) + 1 rows
+    draft: list[int] = field(default_factory=list)
+    proposal: Draft | None = None  # the draft as the drafter proposed it (with `draft`)
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and self.start > 0 and self.samples
+
+    @property
+    def order(self) -> int:
+        """Row order in the step: decodes, then verifies (decodes with drafts), then chunks."""
+        return 0 if self.is_decode else 1 if self.draft else 2
 
 
 @dataclass
@@ -51,7 +67,7 @@ class SchedulerStep:
     read in `store_reads`: those requests are LOADING, in neither queue, until the read's end
     adds them back (`Scheduler.add`)."""
 
-    seqs: list[ScheduledSeq]  # decodes first, then prefill chunks
+    seqs: list[ScheduledSeq]  # decodes first, then verifies, then prefill chunks
     store_reads: Sequence[StoreRead] = ()
 
     @property
@@ -66,9 +82,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefix: PrefixCache | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
+        """`speculator`: drafts for the decodes and their verify lengths (None: off)."""
         self.kv = kv
         self.prefix = prefix
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by Request.sort_key
@@ -100,6 +119,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.params.constraint is not None and req.num_inflight_steps > 0:
                 continue  # its grammar must see its last token before masking the next one
+            if req.verifying:
+                continue  # its length is known once its verify step is processed
+            if self._held_for_drafts(req):
+                continue
             n = min(self._tokens_to_compute(req), budget)
             if n == 0:
                 continue
@@ -122,8 +145,82 @@ class Scheduler:
 
         if not scheduled:
             return SchedulerStep([], reads) if reads else None
-        scheduled.sort(key=lambda s: not s.is_decode)
+        if self.speculator is not None and budget > 0:
+            self._draft(self.speculator, scheduled, budget)
+        scheduled.sort(key=lambda s: s.order)
         return SchedulerStep(scheduled, reads)
+
+    def _draft(self, spec: Speculator, scheduled: list[ScheduledSeq], budget: int) -> None:
+        """Extend the step's decodes that may speculate by the drafts the policy chooses,
+        within `budget` tokens and the KV memory free now (drafts preempt nobody)."""
+        seqs = [s for s in scheduled if self._may_speculate(s)]
+        if not seqs:
+            return
+        # a decode scheduled now has counted its sample: what is left after it
+        limits = [
+            (s.request, s.request.params.max_tokens - s.request.num_sampled_scheduled) for s in seqs
+        ]
+        plans = spec.plan(limits, len(scheduled), sum(s.num_tokens for s in scheduled))
+        chosen = 0
+        for seq, plan in zip(seqs, plans):
+            n = min(plan.length, budget)
+            req = seq.request
+            if n <= 0 or not self.kv.grow(req.request_id, req.num_computed + n):
+                req.decodes_without_drafts = 1
+                continue
+            req.decodes_without_drafts = 0
+            seq.draft, seq.proposal = plan.tokens[:n], plan.proposal
+            seq.num_tokens += n
+            req.num_computed += n
+            req.verifying = True
+            budget -= n
+            chosen += n
+        spec.stats.on_budget(chosen)
+
+    def _held_for_drafts(self, req: Request) -> bool:
+        """With overlap: a decode whose last token is still on the device cannot be drafted
+        for; it is held back for a step (its token then known) while its drafts have been
+        worth verifying, and every PROBE_EVERY decodes once they have not."""
+        if self.speculator is None or req.num_known_tokens == req.seq_len:
+            return False  # nothing in flight that it waits on
+        if req.num_computed != req.seq_len - 1 or not _may_draft(req):
+            return False
+        if req.params.max_tokens - req.num_sampled_scheduled < 2:
+            return False  # no draft could follow its next token
+        if req.decodes_without_drafts in range(1, PROBE_EVERY):
+            req.decodes_without_drafts += 1
+            return False
+        return True
+
+    @staticmethod
+    def _may_speculate(seq: ScheduledSeq) -> bool:
+        """A decode whose input is the request's last known token (no step of it in flight),
+        with tokens left after this one; penalties and grammars are left out (their state
+        would have to advance along the draft)."""
+        req = seq.request
+        return (
+            seq.is_decode
+            and not seq.first
+            and seq.restore is None
+            and not seq.replay
+            and req.num_known_tokens == seq.start + 1
+            and req.num_sampled_scheduled < req.params.max_tokens
+            and _may_draft(req)
+        )
+
+    def verified(self, seq: ScheduledSeq, accepted: int, state_at: int | None) -> None:
+        """The outcome of a verify step: `accepted` of its drafts taken, plus one token;
+        `state_at`: the position the request's per-request state was rolled back to (it
+        recomputes from there), None where nothing was rolled back. The request then holds
+        the KV blocks of what it has computed, no more."""
+        req = seq.request
+        req.verifying = False
+        req.num_sampled_scheduled += accepted
+        if req.status != RequestStatus.RUNNING:
+            return  # finished or preempted meanwhile: it holds no blocks
+        kept = seq.start + seq.num_tokens - len(seq.draft) + accepted
+        req.num_computed = kept if state_at is None else min(state_at, kept)
+        self.kv.shrink(req.request_id, req.num_computed)
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq], reads: list[StoreRead]) -> int:
         """Admit waiting requests within `budget` into `scheduled`; those whose prefix must
@@ -222,3 +319,10 @@ class Scheduler:
         self._release(req, final=True)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _may_draft(req: Request) -> bool:
+    """Penalties and grammars are left out of speculation (their state would have to advance
+    along the draft)."""
+    p = req.params
+    return not p.has_penalties and p.constraint is None

@@ -15,6 +15,8 @@ from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.build.paths import default_store_dir
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
+from daemon.loop.spec.drafters import DRAFTERS
+from daemon.loop.spec.policy import POLICIES as SPEC_POLICIES
 from daemon.service import logs
 from daemon.service.settings import SECTIONS, TOOL_CALL_PARSERS, Settings, load_settings
 
@@ -216,6 +218,28 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME=DURATION",
         help="block-store retention of a traffic class, e.g. agent=3d, batch=12h "
         f"(defaults: {retention}; 0: never stored)",
+    )
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument(
+        "--speculative",
+        default=S,
+        choices=tuple(DRAFTERS),
+        help="draft tokens and verify them in the batch (default: off): ngram looks the "
+        "request's last tokens up in its prompt and output, suffix also in recent requests",
+    )
+    s.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=S,
+        help="the most drafts a request verifies in a step (default "
+        f"{_default(EngineConfig, 'num_speculative_tokens')})",
+    )
+    s.add_argument(
+        "--spec-policy",
+        default=S,
+        choices=SPEC_POLICIES,
+        help="how many drafts each request verifies: adaptive (default) by expected tokens "
+        "per second against step costs profiled at start, fixed: all of them",
     )
     m = p.add_argument_group("MoE expert parallelism (one daemon process per rank)")
     m.add_argument("--ep-size", type=int, default=S, help="ranks in the group (1: off)")

@@ -22,6 +22,8 @@ from daemon.api.http.config import ServerConfig
 from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.spec.drafters import DRAFTERS
+from daemon.loop.spec.policy import POLICIES as SPEC_POLICIES
 from daemon.service import logs
 
 EXIT_INVALID_SETTINGS = 2  # systemd does not restart it (RestartPreventExitStatus)
@@ -180,6 +182,11 @@ def check(s: Settings) -> None:
         if e.model:
             raise ConfigError("engine.demo", "a built-in demo is served only without a model")
     _choice("engine.swa_miss_policy", e.swa_miss_policy, POLICIES)
+    if e.speculative is not None:
+        _choice("engine.speculative", e.speculative, tuple(DRAFTERS))
+    _choice("engine.spec_policy", e.spec_policy, SPEC_POLICIES)
+    if e.num_speculative_tokens < 1:
+        raise ConfigError("engine.num_speculative_tokens", "must be at least 1")
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)

@@ -1,0 +1,73 @@
+"""Online calibration of a drafter's raw confidence against observed acceptance: binned by
+confidence, each bin's rate pulled toward the raw value until it has seen enough outcomes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CalibrationBin:
+    """One confidence bin: what the drafter promised there and what verification found."""
+
+    lo: float
+    hi: float
+    trials: int  # draft positions tested (accepted or rejected)
+    accepted: int
+    confidence_sum: float  # of the raw confidences tested
+
+    @property
+    def expected(self) -> float | None:
+        """The mean raw confidence of the positions tested (None: none yet)."""
+        return self.confidence_sum / self.trials if self.trials else None
+
+    @property
+    def observed(self) -> float | None:
+        return self.accepted / self.trials if self.trials else None
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"expected": self.expected, "observed": self.observed}
+
+
+class Calibrator:
+    """Maps a raw confidence c to an acceptance probability: in c's bin, (accepted + prior * c)
+    / (trials + prior), so it starts at the raw value and converges to the observed rate."""
+
+    def __init__(self, num_bins: int = 20, prior: float = 16.0) -> None:
+        if num_bins < 1:
+            raise ValueError("a calibrator needs at least one bin")
+        if prior <= 0:
+            raise ValueError("the calibration prior must be > 0")
+        self.num_bins = num_bins
+        self.prior = prior
+        self.trials = [0] * num_bins
+        self.accepted = [0] * num_bins
+        self.confidence_sum = [0.0] * num_bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.num_bins), self.num_bins - 1)
+
+    def calibrate(self, confidence: float) -> float:
+        c = min(max(confidence, 0.0), 1.0)
+        b = self._bin(c)
+        return (self.accepted[b] + self.prior * c) / (self.trials[b] + self.prior)
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        """A draft verified at its first `verified` positions, of which the first `accepted`
+        were accepted: those are successes, the one after them (if verified) a failure; later
+        positions were never tested."""
+        tested = min(accepted + 1, verified, len(confidence))
+        for j in range(tested):
+            c = min(max(confidence[j], 0.0), 1.0)
+            b = self._bin(c)
+            self.trials[b] += 1
+            self.accepted[b] += int(j < accepted)
+            self.confidence_sum[b] += c
+
+    def table(self) -> list[CalibrationBin]:
+        """Every bin, expected (raw) vs observed acceptance: for the benchmark's report."""
+        n = self.num_bins
+        return [
+            CalibrationBin(b / n, (b + 1) / n, self.trials[b], self.accepted[b], s)
+            for b, s in enumerate(self.confidence_sum)
+        ]

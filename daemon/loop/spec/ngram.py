@@ -1,0 +1,256 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of a request's
+own last tokens, with confidences from the observed acceptance of such matches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from daemon.loop.spec.base import Draft
+
+if TYPE_CHECKING:
+    from daemon.loop.request import Request
+
+
+@dataclass
+class LookupDraft(Draft):
+    """A lookup drafter's proposal, with what `observe` needs to credit it."""
+
+    source: str = "none"  # "ngram" (the request's own tokens), "suffix" (earlier requests)
+    match_len: int = 0  # how many of the request's last tokens the match covers
+
+
+class MatchStats:
+    """Acceptance by (match length n, draft position j), as counts of outcomes.
+
+    Cell (n, j) counts the drafts of match length n whose position j was decided with all of
+    positions < j accepted, and how many of those accepted j: its rate estimates
+    P(accept j | accepted < j). A cell shrinks toward its position's rate over every n, which
+    shrinks toward `prior`, each with the weight of `strength` outcomes, so unseen cells start
+    sane and a cell's own evidence takes over as it accumulates. A cell's counts halve once
+    they pass `window`, so the estimates follow a workload that changes."""
+
+    def __init__(self, prior: float = 0.5, strength: float = 4.0, window: float = 2048.0) -> None:
+        self.prior = prior
+        self.strength = strength
+        self.window = window
+        self.outcomes = 0  # outcomes ever recorded
+        self._accepted: list[list[float]] = []  # [n][j]
+        self._tried: list[list[float]] = []
+        self._cols = 0
+        self._rates: list[list[float]] | None = None  # estimates, rebuilt after an outcome
+
+    def _ensure(self, n: int, k: int) -> None:
+        if n < len(self._accepted) and k <= self._cols:
+            return
+        self._cols = max(k, self._cols)
+        rows = max(n + 1, len(self._accepted))
+        for table in (self._accepted, self._tried):
+            for row in table:
+                row.extend([0.0] * (self._cols - len(row)))
+            table.extend([0.0] * self._cols for _ in range(rows - len(table)))
+        self._rates = None
+
+    def record(self, n: int, j: int, accepted: bool) -> None:
+        """Position `j` of a draft of match length `n`, whose positions < j were accepted."""
+        self._ensure(n, j + 1)
+        tried, acc = self._tried[n], self._accepted[n]
+        tried[j] += 1.0
+        if accepted:
+            acc[j] += 1.0
+        if tried[j] > self.window:
+            tried[j] *= 0.5
+            acc[j] *= 0.5
+        self.outcomes += 1
+        self._rates = None
+
+    def observe(self, n: int, verified: int, accepted: int) -> None:
+        """A draft of match length `n`: `verified` positions verified, the first `accepted`
+        of them accepted (the one after, if verified, rejected)."""
+        for j in range(min(accepted + 1, verified)):
+            self.record(n, j, j < accepted)
+
+    def confidence(self, n: int, length: int) -> list[float]:
+        """P(accept j | accepted < j) for j < `length`, for a match of length `n`."""
+        if length <= 0:
+            return []
+        self._ensure(n, length)
+        if self._rates is None:
+            self._rates = self._estimate()
+        return self._rates[n][:length]
+
+    def _estimate(self) -> list[list[float]]:
+        s = self.strength
+        pooled = []
+        for j in range(self._cols):
+            a = sum(row[j] for row in self._accepted)
+            t = sum(row[j] for row in self._tried)
+            pooled.append((a + s * self.prior) / (t + s))
+        return [
+            [(a + s * p) / (t + s) for a, t, p in zip(acc, tried, pooled)]
+            for acc, tried in zip(self._accepted, self._tried)
+        ]
+
+
+@dataclass
+class _Pending:
+    """A proposal whose outcome is not all known: scored against the request's tokens as they
+    arrive, position by position until the first miss."""
+
+    start: int  # the position tokens[0] was proposed for
+    tokens: list[int]
+    match_len: int
+    stats: MatchStats  # where its outcomes are counted
+    decided: int = 0  # positions scored so far (all hits)
+
+
+@dataclass
+class _Context:
+    """One request's tokens, where each n-gram last occurred, and its undecided proposals."""
+
+    owner: Request
+    tokens: list[int] = field(default_factory=list)
+    # last[n - min_n]: n-gram -> the position after its latest occurrence that has a follower
+    last: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    pending: list[_Pending] = field(default_factory=list)
+
+
+class NgramDrafter:
+    """Prompt lookup decoding (vLLM's ngram proposer): the longest suffix of the request's
+    known tokens, of length `max_n` down to `min_n`, that occurred earlier in them; the draft
+    is what followed its latest earlier occurrence. A match that runs into the suffix itself
+    (a repeating pattern) continues with its own period.
+
+    Each request keeps an index, one dict per n-gram length from n-gram to its latest position,
+    extended by the tokens that arrived since the last proposal (`indexed` counts that work),
+    so a proposal costs `max_n - min_n + 1` lookups however long the context. It is dropped in
+    `finished`, and rebuilt when the request is seen with fewer tokens than indexed or a
+    different last indexed token (its output replaced), or as another request object under
+    the same id.
+
+    Outcomes: every proposal is scored against the tokens the request then produces, position
+    by position up to its first miss, into `stats`. A position the step did not verify is
+    decided by the token the target produced there, which has the outcome verification would
+    have had (greedy: the same token; sampled: the point-mass draft's acceptance probability,
+    p(token)). So the counts need not know how many tokens the policy verified, and a
+    confidence the policy stopped verifying still learns (no selection bias)."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 5, stats: MatchStats | None = None) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram lengths need 1 <= min_n <= max_n (got {min_n}, {max_n})")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.stats = stats or MatchStats()
+        self.indexed = 0  # tokens ever added to a request's index (rebuilds included)
+        self._contexts: dict[str, _Context] = {}
+
+    def tokens(self, req: Request) -> list[int]:
+        """The request's known tokens, with its index brought up to date (do not modify)."""
+        return self._sync(req).tokens
+
+    def propose(self, req: Request, k: int) -> LookupDraft:
+        ctx = self._sync(req)
+        if k <= 0:
+            return LookupDraft([], [])
+        tokens = ctx.tokens
+        end = len(tokens)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            start = ctx.last[n - self.min_n].get(tuple(tokens[end - n :]))
+            if start is None:
+                continue
+            draft = tokens[start : start + k]
+            period = end - start
+            while len(draft) < k:  # the match overlaps the suffix: the pattern repeats
+                draft.append(draft[len(draft) - period])
+            proposal = LookupDraft(
+                draft, self.stats.confidence(n, len(draft)), source="ngram", match_len=n
+            )
+            self._track(ctx, proposal, self.stats)
+            return proposal
+        return LookupDraft([], [])
+
+    def track(self, req: Request, draft: LookupDraft, stats: MatchStats) -> None:
+        """Scores another drafter's proposal for `req`, made from its current tokens, into
+        `stats` as the request's tokens arrive (how `SuffixDrafter` learns)."""
+        self._track(self._sync(req), draft, stats)
+
+    def observe(self, req: Request, draft: Draft, accepted: int) -> None:
+        """The outcome shows in the request's tokens: scores its proposals on what arrived."""
+        ctx = self._contexts.get(req.request_id)
+        if ctx is not None and ctx.owner is req:
+            self._sync(req)
+
+    def finished(self, req: Request) -> None:
+        ctx = self._contexts.get(req.request_id)
+        if ctx is not None and ctx.owner is req:
+            self._sync(req)  # the last tokens decide what is still pending
+        self._contexts.pop(req.request_id, None)
+
+    @staticmethod
+    def _track(ctx: _Context, draft: LookupDraft, stats: MatchStats) -> None:
+        if not draft.tokens:
+            return
+        start = len(ctx.tokens)
+        # proposed again before any token arrived (an overlapped step): count it once
+        ctx.pending = [p for p in ctx.pending if p.start != start or p.stats is not stats]
+        ctx.pending.append(_Pending(start, list(draft.tokens), draft.match_len, stats))
+
+    @staticmethod
+    def _score(ctx: _Context) -> None:
+        tokens, end = ctx.tokens, len(ctx.tokens)
+        undecided = []
+        for p in ctx.pending:
+            hit, j, last = True, p.decided, min(len(p.tokens), end - p.start)
+            while hit and j < last:
+                hit = tokens[p.start + j] == p.tokens[j]
+                p.stats.record(p.match_len, j, hit)
+                j += 1
+            p.decided = j
+            if hit and j < len(p.tokens):
+                undecided.append(p)
+        ctx.pending = undecided
+
+    def _sync(self, req: Request) -> _Context:
+        ctx = self._contexts.get(req.request_id)
+        known = req.num_known_tokens
+        if (
+            ctx is None
+            or ctx.owner is not req
+            or known < len(ctx.tokens)
+            # the last indexed token changed: the output was replaced
+            or (ctx.tokens and req.token_at(len(ctx.tokens) - 1) != ctx.tokens[-1])
+        ):
+            ctx = _Context(req, [], [{} for _ in range(self.min_n, self.max_n + 1)])
+            self._contexts[req.request_id] = ctx
+        old = len(ctx.tokens)
+        if old == known:
+            return ctx
+        prompt = req.prompt_ids
+        if old < len(prompt):
+            ctx.tokens.extend(prompt[old:])
+        ctx.tokens.extend(req.output_ids[max(0, old - len(prompt)) :])
+        self._index(ctx, old)
+        if ctx.pending:
+            self._score(ctx)
+        return ctx
+
+    def _index(self, ctx: _Context, old: int) -> None:
+        """Adds the n-grams followed by the tokens from position `old` on."""
+        tokens = ctx.tokens
+        end = len(tokens)
+        self.indexed += end - old
+        if end - old <= 4:  # a decode step's few tokens: plain loops are cheaper
+            for p in range(max(old, self.min_n), end):
+                for n, last in zip(range(self.min_n, min(p, self.max_n) + 1), ctx.last):
+                    last[tuple(tokens[p - n : p])] = p
+            return
+        for n, last in zip(range(self.min_n, self.max_n + 1), ctx.last):
+            first = max(old, n)  # the first follower position with a whole n-gram before it
+            if first >= end:
+                continue
+            # the n-grams ending at first-1 .. end-2, built in C by zipping shifted slices;
+            # later positions overwrite earlier ones, so each keeps its latest occurrence
+            grams = zip(*(tokens[first - n + i : end - n + i] for i in range(n)))
+            last.update(zip(grams, range(first, end)))

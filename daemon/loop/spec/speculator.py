@@ -1,0 +1,81 @@
+"""The Speculator: a drafter and a verify-length policy composed for the scheduler (drafts for a
+step's decodes, cut to the lengths the policy chooses) and fed back each verified outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from daemon.loop.spec.base import Candidate, Draft, Drafter, SpecPolicy
+from daemon.loop.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from daemon.loop.request import Request
+
+
+@dataclass
+class Planned:
+    """A request's draft as proposed and how many of its tokens the step verifies (0: none)."""
+
+    proposal: Draft
+    length: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.proposal.tokens[: self.length]
+
+
+@dataclass
+class Speculator:
+    drafter: Drafter
+    policy: SpecPolicy
+    k: int  # the most drafts a request verifies in a step
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError("speculation needs at least one draft token per step")
+        self.stats.drafter = self.stats.drafter or self.drafter.name
+        self.stats.policy = self.stats.policy or type(self.policy).__name__
+
+    def plan(
+        self, requests: list[tuple[Request, int]], num_seqs: int, num_tokens: int
+    ) -> list[Planned]:
+        """Drafts for `requests` (each with the most drafts it may verify), proposed on the
+        loop thread; the policy chooses each one's length for a step of `num_tokens` tokens
+        over `num_seqs` sequences without drafts. Aligned with `requests`."""
+        planned: list[Planned] = []
+        candidates: list[Candidate] = []
+        chosen: list[int] = []  # indices into `planned` of the candidates
+        for req, limit in requests:
+            limit = min(limit, self.k)
+            draft = self.drafter.propose(req, limit) if limit > 0 else Draft([], [])
+            draft = _cut(draft, limit)
+            planned.append(Planned(draft, 0))
+            if draft.tokens:
+                chosen.append(len(planned) - 1)
+                candidates.append(
+                    Candidate(req.request_id, list(draft.confidence), len(draft.tokens))
+                )
+        if candidates:
+            lengths = self.policy.choose(candidates, num_seqs, num_tokens)
+            for i, c, n in zip(chosen, candidates, lengths, strict=True):
+                planned[i].length = max(0, min(int(n), c.max_len))
+        return planned
+
+    def observe(self, req: Request, proposal: Draft, verified: int, accepted: int) -> None:
+        """A verified draft's outcome: to the drafter, the policy's calibration and the stats."""
+        self.drafter.observe(req, proposal, accepted)
+        self.policy.observe(proposal.confidence, verified, accepted)
+        self.stats.on_verified(verified, accepted)
+
+    def finished(self, req: Request) -> None:
+        self.drafter.finished(req)
+
+
+def _cut(draft: Draft, limit: int) -> Draft:
+    if len(draft.tokens) <= limit and len(draft.confidence) == len(draft.tokens):
+        return draft
+    n = min(limit, len(draft.tokens))
+    probs = draft.probs[:n] if draft.probs is not None else None
+    return Draft(draft.tokens[:n], draft.confidence[:n], probs)

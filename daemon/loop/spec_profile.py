@@ -1,0 +1,189 @@
+"""The speculative step-cost table measured at engine start: real forward + sampling (+ verify)
+steps of the runner's model over synthetic batches, and the rollback. Beside the runner, not in
+spec/: it drives the runner and scheduler types, which import spec/."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+from tqdm import tqdm
+
+from daemon.kv.manager import KVManager
+from daemon.kv.tier_ops import CacheOps
+from daemon.loop.request import Request, SamplingParams
+from daemon.loop.runner import ModelRunner
+from daemon.loop.scheduler import ScheduledSeq, SchedulerStep
+from daemon.loop.spec.cost import CostRow, CostTable
+
+log = structlog.get_logger(__name__)
+
+PROFILE_ID = "spec-profile-{}"
+CONTEXT = 128  # positions each synthetic sequence has computed before its decode / verify rows
+
+
+@dataclass
+class _Point:
+    num_seqs: int
+    per_seq: int  # tokens of each sequence (0: a prefill-sized step, see `_step`)
+    num_tokens: int
+
+
+def profile(
+    runner: ModelRunner,
+    kv: KVManager,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    k: int = 5,
+    repeats: int = 5,
+    point_seconds: float = 0.5,
+) -> CostTable:
+    """Time steps over 1, 2, 4, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
+    (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
+    size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
+    as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
+    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point is the median of up to `repeats` runs after an untimed
+    one, fewer once the point has taken `point_seconds` (a first run that long is its own
+    measurement); each row is then made non-decreasing in tokens, against the noise of a
+    shared machine. Must run before any request: the synthetic sequences take blocks from
+    `kv` and write them, and give them back after. Batch sizes whose sequences the KV pool
+    cannot hold are left out (the table extrapolates)."""
+    generator_state = runner.generator.get_state()
+    previous_threads = torch.get_num_threads()
+    started = time.perf_counter()
+    reqs = [
+        Request(PROFILE_ID.format(i), [], SamplingParams(max_tokens=1 << 20))
+        for i in range(max_num_seqs)
+    ]
+    try:
+        points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k)
+        if not points:
+            raise ValueError(f"the KV pool holds no sequence of {CONTEXT + k + 1} positions")
+        fitted = max(p.num_seqs for p in points)
+        rollback = _rollback_seconds(runner, kv, reqs[: min(8, fitted)], repeats)
+        rows: dict[int, tuple[list[int], list[float]]] = {}
+        for point in tqdm(points, desc="profiling step costs", unit="point", leave=False):
+            step = _step(reqs, point, runner.vocab_size)
+            seconds = _time(runner, kv, step, repeats, point_seconds)
+            tokens, measured = rows.setdefault(point.num_seqs, ([], []))
+            if point.per_seq > 1:  # the rollback term is apart: every draft here is rejected
+                # (and no verify step costs less than the decodes it extends, measured first)
+                seconds = max(seconds - rollback * point.num_seqs, measured[0])
+            tokens.append(point.num_tokens)
+            measured.append(seconds)
+    finally:
+        for req in reqs:
+            kv.free(req.request_id)
+        runner.generator.set_state(generator_state)
+        torch.set_num_threads(previous_threads)
+    table = CostTable(
+        [
+            CostRow(s, tokens, _non_decreasing(measured))
+            for s, (tokens, measured) in sorted(rows.items())
+        ],
+        rollback,
+        runner.device.type,
+    )
+    log.info(
+        "spec step costs",
+        seconds=round(time.perf_counter() - started, 2),
+        points=len(points),
+        measured={s: [round(t, 6) for t in m] for s, (_, m) in sorted(rows.items())},
+        table=table.to_json(),
+    )
+    return table
+
+
+def _time(
+    runner: ModelRunner, kv: KVManager, step: SchedulerStep, repeats: int, budget: float
+) -> float:
+    times: list[float] = []
+    spent = 0.0
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        runner.execute(runner.prepare(step, kv, CacheOps()))
+        elapsed = time.perf_counter() - t0
+        spent += elapsed
+        if r or elapsed > budget:
+            times.append(elapsed)
+        if times and spent > budget:
+            break
+    return statistics.median(times)
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def _plan(
+    kv: KVManager, reqs: list[Request], max_num_seqs: int, max_num_batched_tokens: int, k: int
+) -> list[_Point]:
+    """The grid, by batch size and then tokens, with every block it needs taken from `kv` now:
+    the decode / verify rows of every batch size that fits first, then the prefill chunk."""
+    per_seq = sorted({1, 2, k // 2 + 1, k + 1})
+    seq_counts = sorted({min(1 << e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
+    fitted = []
+    for s in seq_counts:
+        if not all(kv.grow(r.request_id, CONTEXT + k + 1) for r in reqs[:s]):
+            break
+        fitted.append(s)
+    # the prefill chunk is always the first sequence's: one long table serves every row
+    prefill = bool(fitted) and kv.grow(reqs[0].request_id, max_num_batched_tokens)
+    points: list[_Point] = []
+    for s in fitted:
+        points.extend(_Point(s, n, s * n) for n in per_seq)
+        if prefill and max_num_batched_tokens > s * (k + 1):
+            points.append(_Point(s, 0, max_num_batched_tokens))
+    return points
+
+
+def _step(reqs: list[Request], point: _Point, vocab_size: int) -> SchedulerStep:
+    """Decodes (1 token each) or decodes with `per_seq` - 1 drafts after CONTEXT computed
+    positions; a prefill-sized point: decodes and one prefill chunk from position 0 making
+    `num_tokens`. Every input token is known, as sampled tokens would be."""
+    seqs = []
+    for i, req in enumerate(reqs[: point.num_seqs]):
+        prefill = point.per_seq == 0 and i == 0
+        start = 0 if prefill else CONTEXT
+        n = point.num_tokens - (point.num_seqs - 1) if prefill else max(point.per_seq, 1)
+        req.prompt_ids = [(31 * p + i) % vocab_size for p in range(start + n)]
+        req.slot = i
+        draft = req.prompt_ids[start + 1 :] if not prefill else []
+        seqs.append(ScheduledSeq(req, start, n, True, 0, draft=draft))
+    seqs.sort(key=lambda s: s.order)
+    return SchedulerStep(seqs)
+
+
+def _rollback_seconds(
+    runner: ModelRunner, kv: KVManager, reqs: list[Request], repeats: int
+) -> float:
+    """Per sequence: the cache's snapshot at the verify rows' start and the restore after a
+    rejection (what a verifying sequence may cost beyond its tokens)."""
+    if not reqs:
+        return 0.0
+    cache = runner.cache
+    sync: Callable[[], None] = (
+        runner.device_module.synchronize if runner.device_module is not None else lambda: None
+    )
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            for req in reqs:
+                tables = kv.block_tables(req.request_id)
+                cache.restore_state(cache.snapshot(tables, CONTEXT), tables)
+            sync()
+            times.append((time.perf_counter() - t0) / len(reqs))
+    return statistics.median(times[1:])

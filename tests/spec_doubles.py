@@ -1,0 +1,67 @@
+"""Test doubles for speculative decoding: a drafter that proposes a reference run's
+continuation with wrong tokens put in, and a policy that verifies every draft in full."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from daemon.loop.engine import Engine
+from daemon.loop.request import Request
+from daemon.loop.spec.base import Candidate, Draft
+from daemon.loop.spec.speculator import Speculator
+
+
+@dataclass
+class OracleDrafter:
+    """Proposes what the reference produced after the request's known tokens (found by its
+    prompt), with the draft token at output index i wrong wherever `wrong(i)`; nothing for
+    a prompt it does not know. Counts what it was told."""
+
+    reference: dict[tuple[int, ...], list[int]]
+    vocab: int
+    every: int = 3  # output indices i with i % every == every - 1 are drafted wrong (0: none)
+    name: str = "oracle"
+    observed: list[tuple[int, int]] = field(default_factory=list)  # (verified, accepted)
+    asked: set[tuple[int, ...]] = field(default_factory=set)  # prompts it proposed for
+    ended: int = 0
+
+    def wrong(self, i: int) -> bool:
+        return self.every > 0 and i % self.every == self.every - 1
+
+    def propose(self, req: Request, k: int) -> Draft:
+        self.asked.add(tuple(req.prompt_ids))
+        ref = self.reference.get(tuple(req.prompt_ids))
+        if ref is None:
+            return Draft([], [])
+        done = len(req.output_ids)
+        tokens = [
+            (t + 1) % self.vocab if self.wrong(i) else t
+            for i, t in enumerate(ref[done : done + k], start=done)
+        ]
+        return Draft(tokens, [0.5] * len(tokens))
+
+    def observe(self, req: Request, draft: Draft, accepted: int) -> None:
+        self.observed.append((len(draft.tokens), accepted))
+
+    def finished(self, req: Request) -> None:
+        self.ended += 1
+
+
+@dataclass
+class VerifyAll:
+    """Every candidate verifies all its drafts."""
+
+    outcomes: list[tuple[int, int]] = field(default_factory=list)
+
+    def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
+        return [c.max_len for c in candidates]
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        self.outcomes.append((verified, accepted))
+
+
+def speculate(engine: Engine, drafter: OracleDrafter, k: int = 5) -> Speculator:
+    """Turn speculation on in a built engine, with `drafter` and VerifyAll."""
+    spec = Speculator(drafter, VerifyAll(), k)
+    engine.scheduler.speculator = spec
+    return spec

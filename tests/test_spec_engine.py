@@ -1,0 +1,183 @@
+"""Speculative decoding in the engine on a tiny random Llama: greedy output equal to no
+speculation (batched with requests that do not speculate, overlap on and off, drafts rejected
+across block boundaries), KV blocks given back after rejections, stops and max_tokens inside a
+multi-token step, and the logprobs of accepted tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
+from daemon.loop.engine import Engine
+from daemon.loop.request import RequestOutput, RequestStatus, SamplingParams
+from daemon.loop.scheduler import ScheduledSeq
+from tests.checkpoints import make_dense_checkpoint
+from tests.spec_doubles import OracleDrafter, speculate
+
+VOCAB = 129280
+BLOCK = 4  # small blocks: a rejected draft's rows often lie in blocks of their own
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# penalties keep a request out of speculation: it runs beside the others as plain decodes
+PENALISED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_dense_checkpoint(tmp_path_factory.mktemp("llama"), "llama", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+
+
+async def started(checkpoint: Path, **overrides) -> Engine:
+    settings = dict(
+        model=str(checkpoint),
+        kv_cache_memory_gb=0.01,
+        max_num_batched_tokens=64,
+        block_size=BLOCK,
+        overlap=True,
+    )
+    engine, _ = build_engine(EngineConfig(**(settings | overrides)))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+async def run_all(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[RequestOutput]]:
+    return await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def watch_blocks(engine: Engine) -> list[tuple[int, int, int]]:
+    """After each verify step: (blocks held before its bookkeeping, after, a request of its
+    length's) of a request still running."""
+    seen: list[tuple[int, int, int]] = []
+    scheduler, kv = engine.scheduler, engine.kv
+    verified = scheduler.verified
+
+    def check(seq: ScheduledSeq, accepted: int, state_at: int | None) -> None:
+        req = seq.request
+        before = len(kv.tables.get(req.request_id, [[]])[0])
+        verified(seq, accepted, state_at)
+        if req.status == RequestStatus.RUNNING:
+            after = len(kv.tables[req.request_id][0])
+            seen.append((before, after, -(-req.num_computed // BLOCK)))
+
+    scheduler.verified = check
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_greedy_equals_no_speculation_beside_plain_requests(checkpoint, prompts, overlap):
+    engine = await started(checkpoint, overlap=overlap)
+    params = [GREEDY, GREEDY, PENALISED, GREEDY]
+    try:
+        plain = await run_all(engine, prompts, params)
+        plain_steps, plain_cached = engine.steps, set(engine.kv.cached)
+        reference = {tuple(p): tokens(o) for p, o in zip(prompts, plain)}
+        drafter = OracleDrafter(reference, VOCAB, every=7)  # some drafts wholly right
+        spec = speculate(engine, drafter)
+        seen = watch_blocks(engine)
+        drafted = await run_all(engine, prompts, params)
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in drafted] == [tokens(o) for o in plain]
+    assert tuple(prompts[2]) not in drafter.asked  # penalties: never speculated
+    assert any(a == v for v, a in drafter.observed)  # some drafts taken whole
+    assert any(a < v for v, a in drafter.observed)  # some rejected
+    assert engine.steps - plain_steps < plain_steps  # fewer steps for the same tokens
+    # rejections give back the blocks grown for them: each request holds what its length needs
+    assert seen and all(after == need for _, after, need in seen)
+    assert any(before > after for before, after, _ in seen)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert set(engine.kv.cached) == plain_cached  # the same blocks indexed, nothing else
+    assert stats["spec_accepted_tokens"] == sum(a for _, a in drafter.observed) > 0
+    assert stats["spec_draft_tokens"] == sum(v for v, _ in drafter.observed)
+    assert spec.policy.outcomes == drafter.observed
+    assert drafter.ended == len(prompts)  # each request of the speculating run, told once
+
+
+async def test_stops_and_max_tokens_inside_a_multi_token_step(checkpoint, prompts):
+    engine = await started(checkpoint)
+    prompt = prompts[1]
+    try:
+        full = await collect(engine, prompt, GREEDY)
+        ref = tokens(full)
+        text = "".join(o.new_text for o in full)
+        stop_at = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
+        cases = [
+            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[ref[stop_at]]),
+            SamplingParams(max_tokens=24, temperature=0.0, stop=[text[len(text) // 2 :][:3]]),
+        ]
+        plain = [await collect(engine, prompt, p) for p in cases]
+        drafter = OracleDrafter({tuple(prompt): ref}, VOCAB)
+        speculate(engine, drafter)
+        drafted = [await collect(engine, prompt, p) for p in cases]
+    finally:
+        await engine.stop()
+    assert drafter.observed
+    for a, b in zip(plain, drafted):
+        assert tokens(b) == tokens(a)
+        assert "".join(o.new_text for o in b) == "".join(o.new_text for o in a)
+        assert (b[-1].finish_reason, b[-1].stop_reason) == (a[-1].finish_reason, a[-1].stop_reason)
+        assert b[-1].num_output_tokens == len(tokens(a))
+    assert len(tokens(drafted[0])) == 8
+    # some output carried several tokens at once
+    assert any(len(o.new_token_ids) > 1 for outs in drafted for o in outs)
+
+
+async def test_logprobs_of_accepted_tokens_equal_no_speculation(checkpoint, prompts):
+    engine = await started(checkpoint)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    try:
+        plain = await run_all(engine, prompts[:2], [params] * 2)
+        reference = {tuple(p): tokens(o) for p, o in zip(prompts, plain)}
+        drafter = OracleDrafter(reference, VOCAB)
+        speculate(engine, drafter)
+        drafted = await run_all(engine, prompts[:2], [params] * 2)
+    finally:
+        await engine.stop()
+    assert any(a > 0 for _, a in drafter.observed)
+    for a, b in zip(plain, drafted):
+        la = [lp for o in a for lp in o.logprobs]
+        lb = [lp for o in b for lp in o.logprobs]
+        assert [lp.token_id for lp in lb] == [lp.token_id for lp in la] == tokens(a)
+        for x, y in zip(la, lb):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert [t for t, _ in y.top] == [t for t, _ in x.top]
+            assert [v for _, v in y.top] == pytest.approx([v for _, v in x.top], abs=1e-4)
+
+
+async def test_sampled_requests_run_beside_drafts(checkpoint, prompts):
+    """A seeded sampled request verifying point-mass drafts gets the tokens it gets alone
+    (rejection.verify draws those rows as sample() does); its output ends as asked."""
+    engine = await started(checkpoint)
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    try:
+        plain = await run_all(engine, prompts[:3], [seeded, GREEDY, seeded])
+        reference = {tuple(p): tokens(o) for p, o in zip(prompts, plain)}
+        drafter = OracleDrafter(reference, VOCAB)
+        speculate(engine, drafter)
+        drafted = await run_all(engine, prompts[:3], [seeded, GREEDY, seeded])
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in drafted] == [tokens(o) for o in plain]
+    assert [len(tokens(o)) for o in drafted] == [20, 24, 20]

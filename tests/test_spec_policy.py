@@ -1,0 +1,245 @@
+"""The verify-length policies (fixed, adaptive against a brute-force search), the online
+calibrator and the step-cost table (interpolation, extrapolation, JSON)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from daemon.loop.spec.base import Candidate
+from daemon.loop.spec.calibration import Calibrator
+from daemon.loop.spec.cost import CostRow, CostTable
+from daemon.loop.spec.policy import AdaptivePolicy, FixedPolicy, build_policy
+
+
+class TableCost:
+    """A StepCost from an arbitrary per-total-tokens table (not even monotone)."""
+
+    def __init__(self, by_tokens: dict[int, float]) -> None:
+        self.by_tokens = by_tokens
+
+    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+        return self.by_tokens[num_tokens]
+
+
+class LinearCost:
+    def __init__(self, fixed: float, per_token: float) -> None:
+        self.fixed, self.per_token = fixed, per_token
+
+    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+        return self.fixed + self.per_token * num_tokens
+
+
+def rate(
+    lengths: list[int],
+    survivals: list[list[float]],
+    cost,
+    num_seqs: int,
+    num_tokens: int,
+    rollback: float = 0.0,
+) -> float:
+    gain = num_seqs + sum(sum(s[:n]) for s, n in zip(survivals, lengths))
+    verifying = sum(n > 0 for n in lengths)
+    return gain / (cost.seconds(num_tokens + sum(lengths), num_seqs) + rollback * verifying)
+
+
+def survivals_of(policy: AdaptivePolicy, candidates: list[Candidate]) -> list[list[float]]:
+    out = []
+    for c in candidates:
+        s, row = 1.0, []
+        for conf in c.confidence[: min(policy.k, c.max_len)]:
+            s *= policy.calibrator.calibrate(conf)
+            row.append(s)
+        out.append(row)
+    return out
+
+
+# ---- adaptive policy ----------------------------------------------------------------------
+
+
+def test_adaptive_matches_brute_force_over_all_length_vectors() -> None:
+    rng = random.Random(0)
+    for case in range(300):
+        k = rng.randint(1, 4)
+        n = rng.randint(1, 3)
+        candidates = [
+            Candidate(
+                f"r{i}",
+                [rng.random() ** rng.choice((0.3, 1, 3)) for _ in range(rng.randint(0, k + 1))],
+                rng.randint(0, k + 1),
+            )
+            for i in range(n)
+        ]
+        num_seqs = n + rng.randint(0, 3)
+        num_tokens = num_seqs + rng.randint(0, 40)
+        cost = TableCost(
+            {t: rng.uniform(0.5, 3.0) for t in range(num_tokens, num_tokens + n * k + 1)}
+            if case % 2
+            else {t: 1.0 + rng.uniform(0, 0.2) * t for t in range(num_tokens + n * k + 1)}
+        )
+        policy = AdaptivePolicy(k, cost, Calibrator())
+        got = policy.choose(candidates, num_seqs, num_tokens)
+        surv = survivals_of(policy, candidates)
+        limits = [len(s) for s in surv]
+        best = max(
+            rate(list(v), surv, cost, num_seqs, num_tokens)
+            for v in itertools.product(*(range(m + 1) for m in limits))
+        )
+        assert all(0 <= g <= m for g, m in zip(got, limits)), (case, got, limits)
+        assert rate(got, surv, cost, num_seqs, num_tokens) == pytest.approx(best, rel=1e-12)
+        assert policy.last_budget == sum(got)
+
+
+def test_adaptive_verifies_nothing_when_tokens_cost_much() -> None:
+    # a compute-bound large batch: every extra token adds ~1/num_tokens of the step
+    policy = AdaptivePolicy(5, LinearCost(0.0, 1e-3))
+    candidates = [Candidate(f"r{i}", [0.9] * 5, 5) for i in range(64)]
+    assert policy.choose(candidates, 64, 64) == [0] * 64
+    assert policy.last_budget == 0
+
+
+def test_adaptive_verifies_everything_when_drafts_are_sure_and_tokens_free() -> None:
+    policy = AdaptivePolicy(5, LinearCost(0.01, 1e-9))
+    candidates = [Candidate("a", [0.999] * 7, 7), Candidate("b", [1.0] * 3, 3)]
+    assert policy.choose(candidates, 3, 10) == [5, 3]
+    assert policy.last_budget == 8
+    assert policy.last_expected == pytest.approx(0.999 * (1 - 0.999**5) / 0.001 + 3, rel=1e-6)
+
+
+def test_adaptive_spends_the_budget_on_the_likelier_drafts() -> None:
+    policy = AdaptivePolicy(4, LinearCost(1.0, 0.15))
+    sure, unsure = Candidate("sure", [0.95] * 4, 4), Candidate("unsure", [0.2] * 4, 4)
+    lengths = policy.choose([sure, unsure], 2, 2)
+    assert lengths[0] > 0 and lengths[1] == 0
+
+
+def test_adaptive_rollback_cost_holds_drafts_back() -> None:
+    candidates = [Candidate(f"r{i}", [0.3], 1) for i in range(4)]
+    cost = LinearCost(1.0, 0.01)
+    assert AdaptivePolicy(3, cost).choose(candidates, 4, 4) == [1, 1, 1, 1]
+    assert AdaptivePolicy(3, cost, rollback_seconds=0.2).choose(candidates, 4, 4) == [0] * 4
+
+
+def test_adaptive_follows_calibration() -> None:
+    # raw 0.9 that is really accepted 5 % of the time stops paying once it is learned
+    policy = AdaptivePolicy(3, LinearCost(1.0, 0.2))
+    candidates = [Candidate("r", [0.9] * 3, 3)]
+    assert policy.choose(candidates, 1, 1) == [3]
+    rng = random.Random(1)
+    for _ in range(400):
+        accepted = 0
+        while accepted < 3 and rng.random() < 0.05:
+            accepted += 1
+        policy.observe([0.9] * 3, 3, accepted)
+    assert policy.choose(candidates, 1, 1) == [0]
+
+
+def test_fixed_policy_verifies_k_or_what_there_is() -> None:
+    policy = FixedPolicy(5)
+    candidates = [Candidate("a", [0.1] * 7, 7), Candidate("b", [0.9] * 2, 2), Candidate("c", [], 0)]
+    assert policy.choose(candidates, 8, 100) == [5, 2, 0]
+    assert policy.last_budget == 7
+    policy.observe([0.9, 0.9], 2, 1)
+    assert sum(b.trials for b in policy.calibrator.table()) == 2
+
+
+def test_build_policy() -> None:
+    cost = CostTable([CostRow(1, [1, 8], [0.01, 0.02])], rollback_seconds=0.003)
+    assert isinstance(build_policy("fixed", 5), FixedPolicy)
+    adaptive = build_policy("adaptive", 5, cost)
+    assert isinstance(adaptive, AdaptivePolicy)
+    assert adaptive.rollback_seconds == 0.003 and adaptive.k == 5
+    with pytest.raises(ValueError, match="cost"):
+        build_policy("adaptive", 5)
+    with pytest.raises(ValueError, match="fixed, adaptive"):
+        build_policy("dspark", 5, cost)
+
+
+# ---- calibrator ---------------------------------------------------------------------------
+
+
+def test_calibrator_starts_at_the_raw_confidence() -> None:
+    cal = Calibrator()
+    assert cal.calibrate(0.37) == pytest.approx(0.37)
+    assert cal.calibrate(1.5) == pytest.approx(1.0) and cal.calibrate(-1) == 0.0
+
+
+def test_calibrator_converges_to_the_observed_rate() -> None:
+    cal = Calibrator(num_bins=10)
+    rng = random.Random(2)
+    for _ in range(3000):  # raw 0.9 at every position, truly accepted half the time
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.5:
+            accepted += 1
+        cal.observe([0.9] * 4, 4, accepted)
+    assert cal.calibrate(0.9) == pytest.approx(0.5, abs=0.03)
+    assert cal.calibrate(0.3) == pytest.approx(0.3)  # a bin with no data keeps the raw value
+    (row,) = [b for b in cal.table() if b.trials]
+    assert row.expected == pytest.approx(0.9) and row.observed == pytest.approx(0.5, abs=0.03)
+    assert row.lo == pytest.approx(0.9) and row.hi == pytest.approx(1.0)
+    assert json.dumps([b.as_dict() for b in cal.table()])  # the benchmark report's form
+
+
+def test_calibrator_counts_only_tested_positions() -> None:
+    cal = Calibrator(num_bins=4)
+    cal.observe([0.1, 0.3, 0.6, 0.9], 4, 1)  # 0.1 accepted, 0.3 rejected, the rest untested
+    cal.observe([0.6, 0.9], 1, 1)  # 0.6 accepted; 0.9 not verified
+    cal.observe([0.9, 0.9], 0, 0)  # nothing verified
+    assert [(b.trials, b.accepted) for b in cal.table()] == [(1, 1), (1, 0), (1, 1), (0, 0)]
+
+
+# ---- cost table ---------------------------------------------------------------------------
+
+
+def table() -> CostTable:
+    return CostTable(
+        [
+            CostRow(1, [1, 3, 9], [1.0, 2.0, 5.0]),
+            CostRow(4, [4, 12], [2.0, 6.0]),
+        ],
+        rollback_seconds=0.5,
+        device="cpu",
+    )
+
+
+def test_cost_table_interpolates_in_tokens_and_seqs() -> None:
+    t = table()
+    assert t.seconds(1, 1) == 1.0 and t.seconds(9, 1) == 5.0
+    assert t.seconds(2, 1) == pytest.approx(1.5)
+    assert t.seconds(6, 1) == pytest.approx(3.5)
+    assert t.seconds(8, 4) == pytest.approx(4.0)
+    # between rows: each row at 8 tokens (1 seq: 4.5, 4 seqs: 4.0), then linear in seqs
+    assert t.seconds(8, 2) == pytest.approx(4.5 - 0.5 / 3)
+
+
+def test_cost_table_extrapolates_linearly() -> None:
+    t = table()
+    assert t.seconds(13, 1) == pytest.approx(7.0)  # the last segment's slope, 0.5 per token
+    assert t.seconds(20, 4) == pytest.approx(10.0)
+    assert t.seconds(12, 7) == pytest.approx(6.0 + (6.0 - 6.5))  # past the last row
+    assert t.seconds(0, 1) == 1.0  # never below the cheapest measured step
+
+
+def test_cost_table_json_round_trip() -> None:
+    t = table()
+    back = CostTable.from_json(t.to_json())
+    assert back == t and back.rollback_seconds == 0.5 and back.device == "cpu"
+    assert back.seconds(8, 2) == t.seconds(8, 2)
+    data = json.loads(t.to_json())
+    data["version"] = 99
+    with pytest.raises(ValueError, match="version"):
+        CostTable.from_json(json.dumps(data))
+
+
+def test_cost_table_rejects_bad_rows() -> None:
+    with pytest.raises(ValueError):
+        CostRow(1, [4, 2], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        CostRow(1, [1], [0.0])
+    with pytest.raises(ValueError):
+        CostTable([CostRow(4, [4], [1.0]), CostRow(2, [2], [1.0])])
+    with pytest.raises(ValueError):
+        CostTable([])

@@ -1,0 +1,74 @@
+"""The step-cost profile at engine start (daemon/loop/spec_profile.py): real steps of tiny random
+models through their runner, a table over the batch sizes that fit, the KV pool given back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.kv.manager import KVManager, pool_sizes
+from daemon.loop.runner import ModelRunner
+from daemon.loop.spec.cost import CostTable
+from daemon.loop.spec_profile import profile
+from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
+from daemon.models.loader import load_model
+
+CPU = torch.device("cpu")
+MAX_SEQS = 4
+BATCHED = 256
+
+
+def _engine_parts(path: Path, memory: int = 0, tokens: int = 0) -> tuple[ModelRunner, KVManager]:
+    """A runner and KV manager as build_engine makes them, over `memory` bytes of KV (or
+    `tokens` positions of a dense model's)."""
+    model = load_model(path, CPU, torch.float32).model
+    groups = model.kv_groups(torch.float32, 16)
+    memory = memory or int(tokens * sum(g.spec.bytes_per_block / g.spec.block_size for g in groups))
+    runner = ModelRunner(model, groups, pool_sizes(groups, memory, MAX_SEQS), CPU, MAX_SEQS)
+    return runner, KVManager(groups, memory, MAX_SEQS)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> tuple[ModelRunner, KVManager]:
+    return _engine_parts(make_dense_checkpoint(tmp_path_factory.mktemp("llama")), tokens=8192)
+
+
+def test_profile_measures_every_batch_size(dense) -> None:
+    runner, kv = dense
+    free = [u.num_free for u in kv.usage()]
+    state = runner.generator.get_state()
+    table = profile(runner, kv, MAX_SEQS, BATCHED, k=3, repeats=2, point_seconds=0.05)
+    assert [r.num_seqs for r in table.rows] == [1, 2, 4]
+    for row in table.rows:
+        s = row.num_seqs
+        assert row.num_tokens == [s, 2 * s, 4 * s, BATCHED]  # 1, 2 and k + 1 tokens each
+        assert all(t > 0 for t in row.seconds)
+    # a prefill-sized step costs more than a decode of one sequence
+    assert table.rows[0].seconds[-1] > table.rows[0].seconds[0]
+    assert table.seconds(BATCHED, 1) == pytest.approx(table.rows[0].seconds[-1])
+    assert table.rollback_seconds >= 0 and table.device == "cpu"
+    assert CostTable.from_json(table.to_json()) == table
+    assert [u.num_free for u in kv.usage()] == free  # every block given back
+    assert not kv.tables
+    assert torch.equal(runner.generator.get_state(), state)  # sampling unaffected
+
+
+def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
+    # 2 sequences of 128 + 4 positions fit 24 blocks of 16 tokens, 4 do not
+    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=24 * 16)
+    assert kv.capacity_tokens() == 24 * 16
+    table = profile(runner, kv, MAX_SEQS, 96, k=3, repeats=1, point_seconds=0.05)
+    assert [r.num_seqs for r in table.rows] == [1, 2]
+    assert table.rows[0].num_tokens == [1, 2, 4, 96]
+    assert table.seconds(16, 4) > 0  # extrapolated
+    assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
+def test_profile_times_the_rollback_of_per_request_state(tmp_path) -> None:
+    runner, kv = _engine_parts(make_v4_checkpoint(tmp_path), 64 << 20)
+    table = profile(runner, kv, 2, 64, k=1, repeats=1, point_seconds=0.05)
+    assert [r.num_seqs for r in table.rows] == [1, 2]
+    assert table.rollback_seconds > 0  # the ring and compressor state are copied
+    assert all(u.num_free == u.num_blocks for u in kv.usage())
