@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from bench.peers.servers import ROOT, Server, ServerError, deepinfer_launch
 from bench.peers.workload import WorkloadError as ServeError
 from bench.peers.workload import run as bench_serve
 from bench.spec import counters, report, workloads
-from bench.spec.workloads import WORKLOADS, ChatRequest, WorkloadError
+from bench.spec.workloads import WORKLOADS, WorkloadError
 from daemon.build.paths import cache_dir
 from daemon.service.live_server import free_port
 
@@ -56,6 +57,7 @@ class Plan:
     seed: int = 0
     ready_timeout_s: float = 900.0
     server_args: list[str] = field(default_factory=list)  # for every arm
+    extra_body: str | None = None  # JSON merged into every request body
     kv_store: bool = True
 
     def requests(self, concurrency: int) -> int:
@@ -114,11 +116,11 @@ def build_requests(plan: Plan) -> tuple[dict[str, dict[int, Path]], Path, dict[s
             about[name] = {"requests": len(pool)}
         slices = workloads.split(pool, sizes, name)
         files[name] = {
-            c: _write(part, plan.out / "requests" / f"{name}-c{c}.jsonl")
+            c: workloads.write_jsonl(part, plan.out / "requests" / f"{name}-c{c}.jsonl")
             for c, part in zip(plan.concurrency, slices, strict=True)
         }
     warm = workloads.warmup_requests(max(plan.warmup, 1), WARMUP_MAX_TOKENS)
-    return files, _write(warm, plan.out / "requests" / "warmup.jsonl"), about
+    return files, workloads.write_jsonl(warm, plan.out / "requests" / "warmup.jsonl"), about
 
 
 def serve_args(plan: Plan, url: str, model: str, path: Path, conc: int, label: str) -> list[str]:
@@ -128,6 +130,7 @@ def serve_args(plan: Plan, url: str, model: str, path: Path, conc: int, label: s
     args += ["--dataset", "jsonl", "--dataset-path", str(path)]
     args += ["--max-concurrency", str(conc), "--temperature", str(plan.temperature)]
     args += ["--label", label, "--disable-tqdm"]
+    args += ["--extra-body", plan.extra_body] if plan.extra_body else []
     return args + ["--result-json", str(plan.out / "runs" / f"{label}.json")]
 
 
@@ -141,47 +144,50 @@ def run(plan: Plan) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for rep in range(plan.repeats):
         for arm in plan.arms:
-            port = free_port()
-            store = plan.out / f"kv-store-{arm}-r{rep}" if plan.kv_store else None
-            flags = plan.server_args + arm_flags(plan, arm)
-            spec = deepinfer_launch(plan.model, port, plan.dtype, flags, store)
-            with Server(spec, port, plan.out / f"{arm}-r{rep}.log") as server:
-                ready_s = server.wait_ready(plan.ready_timeout_s)
-                started.append(
-                    {
-                        "arm": arm,
-                        "repeat": rep,
-                        "ready_s": ready_s,
-                        "pid": server.proc.pid,
-                        "flags": flags,
-                    }
-                )
-                print(f"[{arm} r{rep}] ready in {ready_s:.1f} s: {server.base_url}", flush=True)
-                url, name = server.base_url, spec.served_name
-                if plan.warmup:
-                    label = f"warmup-{arm}-r{rep}"
-                    bench_serve(serve_args(plan, url, name, warm, plan.warmup, label))
-                for w in plan.workloads:
-                    for conc in plan.concurrency:
-                        label = f"{w}-{arm}-r{rep}-c{conc}"
-                        before = counters.read(url)
-                        args = serve_args(plan, url, name, files[w][conc], conc, label)
-                        data = bench_serve(args)
-                        spent = counters.read(url).minus(before)
-                        runs.append(
-                            {
-                                "workload": w,
-                                "arm": arm,
-                                "concurrency": conc,
-                                "repeat": rep,
-                                "result_json": data["config"]["result_json"],
-                                "summary": data["summary"],
-                                "spec": spent.to_json(),
-                            }
-                        )
-                        _progress(runs[-1])
-                        result = _write_result(plan, about, started, runs)
+            for r in _serve(plan, arm, rep, files, warm, started):
+                runs.append(r)
+                _progress(r)
+                result = _write_result(plan, about, started, runs)
     return result
+
+
+def _serve(
+    plan: Plan,
+    arm: str,
+    rep: int,
+    files: dict[str, dict[int, Path]],
+    warm: Path,
+    started: list[dict[str, Any]],
+) -> Iterator[dict[str, Any]]:
+    """One server of `arm`: warmed up, then every workload at every concurrency, a run each,
+    with the counters it moved."""
+    port = free_port()
+    store = plan.out / f"kv-store-{arm}-r{rep}" if plan.kv_store else None
+    flags = plan.server_args + arm_flags(plan, arm)
+    spec = deepinfer_launch(plan.model, port, plan.dtype, flags, store)
+    with Server(spec, port, plan.out / f"{arm}-r{rep}.log") as server:
+        ready_s = server.wait_ready(plan.ready_timeout_s)
+        started.append(
+            {"arm": arm, "repeat": rep, "ready_s": ready_s, "pid": server.proc.pid, "flags": flags}
+        )
+        print(f"[{arm} r{rep}] ready in {ready_s:.1f} s: {server.base_url}", flush=True)
+        url, name = server.base_url, spec.served_name
+        if plan.warmup:
+            bench_serve(serve_args(plan, url, name, warm, plan.warmup, f"warmup-{arm}-r{rep}"))
+        for w in plan.workloads:
+            for conc in plan.concurrency:
+                label = f"{w}-{arm}-r{rep}-c{conc}"
+                before = counters.read(url)
+                data = bench_serve(serve_args(plan, url, name, files[w][conc], conc, label))
+                yield {
+                    "workload": w,
+                    "arm": arm,
+                    "concurrency": conc,
+                    "repeat": rep,
+                    "result_json": data["config"]["result_json"],
+                    "summary": data["summary"],
+                    "spec": counters.read(url).minus(before).to_json(),
+                }
 
 
 def _write_result(
@@ -211,10 +217,6 @@ def _progress(r: dict[str, Any]) -> None:
         f"failed" + (f", mean accepted length {accepted:.2f}" if accepted else ""),
         flush=True,
     )
-
-
-def _write(reqs: list[ChatRequest], path: Path) -> Path:
-    return workloads.write_jsonl(reqs, path)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -260,6 +262,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds per server start")
     p.add_argument("--server-args", default="", help="more `deepinfer serve` flags, every arm")
+    p.add_argument("--extra-body", default=None, help="JSON object merged into every request")
     p.add_argument(
         "--no-kv-store",
         action="store_true",
@@ -315,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         ready_timeout_s=a.ready_timeout,
         server_args=shlex.split(a.server_args),
+        extra_body=a.extra_body,
         kv_store=not a.no_kv_store,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # the started server is stopped on the way out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,38 +99,54 @@ def test_shared_texts_found_above_the_checkout(
     assert workloads.shared_texts(tmp_path_factory.mktemp("no-shared")) == []
 
 
+def _exposition(scale: float) -> str:
+    """/metrics text as the server's collector writes it (prometheus_client), counts * scale."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    totals = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 20}
+    totals |= {"budget_tokens": 40, "budget_steps": 5}
+
+    class Spec:
+        def collect(self) -> Iterator[object]:
+            for name, v in totals.items():
+                yield CounterMetricFamily(f"deepinfer:spec_decode_{name}", "", value=v * scale)
+            for name, vs in (("accepted", [8, 6, 4, 2]), ("verified", [10, 10, 10, 10])):
+                fam = CounterMetricFamily(
+                    f"deepinfer:spec_decode_num_{name}_tokens_per_pos", "", labels=["position"]
+                )
+                for j in (3, 0, 1, 2):  # any order
+                    fam.add_metric([str(j)], vs[j] * scale)
+                yield fam
+            yield GaugeMetricFamily("deepinfer:spec_decode_acceptance_rate", "", value=0.5)
+            yield CounterMetricFamily("deepinfer:steps", "", value=3)
+
+    registry = CollectorRegistry()
+    registry.register(Spec())
+    return generate_latest(registry).decode()
+
+
 def test_counters_difference_and_sum() -> None:
-    health = {
-        "spec_drafts": 10,
-        "spec_draft_tokens": 40,
-        "spec_accepted_tokens": 20,
-        "spec_steps": 5,
-        "spec_budget_tokens": 40,
-        "spec_verified_by_position": [10, 10, 10, 10],
-        "spec_accepted_by_position": [8, 6, 4, 2],
-        "spec_calibration": [
-            {"lo": 0.0, "hi": 0.5, "trials": 4, "accepted": 1, "confidence_sum": 1.0},
-            {"lo": 0.5, "hi": 1.0, "trials": 6, "accepted": 5, "confidence_sum": 4.5},
-        ],
-    }
-    before = SpecCounters.of_health({"spec_drafts": 0}, {})
-    after = SpecCounters.of_health(health, {"deepinfer:spec_x_total": 3.0})
+    calibration = [
+        {"lo": 0.0, "hi": 0.5, "trials": 4, "accepted": 1, "confidence_sum": 1.0},
+        {"lo": 0.5, "hi": 1.0, "trials": 6, "accepted": 5, "confidence_sum": 4.5},
+    ]
+    samples = spec_samples(_exposition(3.0))
+    assert "deepinfer:spec_decode_acceptance_rate" not in samples  # gauges: no difference
+    assert "deepinfer:steps_total" not in samples
+    before = SpecCounters.of(spec_samples(_exposition(2.0)), {"status": "ok"})
+    after = SpecCounters.of(samples, {"status": "ok", "spec_calibration": calibration})
     d = after.minus(before)
     assert d.present and (d.drafts, d.draft_tokens, d.accepted_tokens) == (10, 40, 20)
     assert d.mean_accepted_length == 3.0 and d.acceptance_rate == 0.5 and d.budget_mean == 8.0
-    assert d.by_position() == [0.8, 0.6, 0.4, 0.2]
+    assert d.verified == [10, 10, 10, 10] and d.by_position() == [0.8, 0.6, 0.4, 0.2]
     assert [(b.expected, b.observed) for b in d.bins] == [(0.25, 0.25), (0.75, 5 / 6)]
-    assert d.metrics == {"deepinfer:spec_x_total": 3.0}
+    key = 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'
+    assert d.metrics[key] == 8.0 and after.metrics[key] == 24.0
     both = SpecCounters.from_json(d.to_json()).plus(d)
     assert (both.drafts, both.verified, both.bins[1].trials) == (20, [20, 20, 20, 20], 12)
-    none = SpecCounters.of_health({"status": "ok"}, {})
+    none = SpecCounters.of(spec_samples("# TYPE deepinfer:steps counter\n"), {"status": "ok"})
     assert not none.present and none.mean_accepted_length is None and none.by_position() == []
-    text = (
-        "# TYPE deepinfer:spec_accepted counter\n"
-        'deepinfer:spec_accepted_total{position="0"} 7.0\n'
-        "# TYPE deepinfer:steps gauge\ndeepinfer:steps 3.0\n"
-    )
-    assert spec_samples(text) == {'deepinfer:spec_accepted_total{position="0"}': 7.0}
 
 
 def _run(workload: str, arm: str, conc: int, rep: int, tok_s: float) -> dict:
@@ -187,46 +204,55 @@ def test_ratios_against_the_targets() -> None:
     assert "calibration: the servers reported no calibration bins" in md
 
 
-def _spec_run(chat_model: Path, tmp_path: Path, arms: list[str]) -> tuple[int, Path]:
+MAX_TOKENS = 24
+# three tokens far above the rest (as tests/test_spec_api.py does): the random model's answers
+# run over them and repeat themselves, so a prompt lookup drafts from them
+BIAS = json.dumps({"logit_bias": {"1000": 30, "2000": 30, "3000": 30}})
+
+
+def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The grid on a tiny model: every arm's server (the speculating ones where `deepinfer
+    serve` has --speculative), both workloads, two concurrencies; greedy, so every request's
+    answer has as many tokens with speculation as without."""
+    spec = spec_flags_supported()
+    arms = list(report.ARMS) if spec else ["none"]
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     out = tmp_path / "run"
     rc = main(
         ["--model", str(chat_model), "--dtype", "float32", "--arms", *arms]
         + ["--concurrency", "1", "2", "--repeats", "1", "--min-requests", "2"]
-        + ["--requests-per-slot", "1", "--max-tokens", "6", "--passage-tokens", "24"]
-        + ["--texts", str(text), "--warmup", "1", "--out", str(out)]
-        + ["--server-args", "--kv-cache-memory-gb 0.05 --max-model-len 1024"]
+        + ["--requests-per-slot", "1", "--max-tokens", str(MAX_TOKENS), "--passage-tokens", "24"]
+        + ["--texts", str(text), "--warmup", "1", "--out", str(out), "--extra-body", BIAS]
+        + ["--server-args", "--kv-cache-memory-gb 0.05 --max-model-len 1024 --max-num-seqs 4"]
     )
-    return rc, out
-
-
-def test_no_speculation_arm_end_to_end(
-    chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    rc, out = _spec_run(chat_model, tmp_path, ["none"])
     printed = capsys.readouterr().out
     assert rc == 0
     data = json.loads((out / "spec.json").read_text())
-    assert [(r["workload"], r["concurrency"]) for r in data["runs"]] == [
-        ("edit", 1),
-        ("edit", 2),
-        ("chat", 1),
-        ("chat", 2),
+    assert [(r["arm"], r["workload"], r["concurrency"]) for r in data["runs"]] == [
+        (arm, w, c) for arm in arms for w in ("edit", "chat") for c in (1, 2)
     ]
-    assert [s["arm"] for s in data["started"]] == ["none"] and data["started"][0]["flags"] == [
-        "--kv-cache-memory-gb",
-        "0.05",
-        "--max-model-len",
-        "1024",
+    assert [s["arm"] for s in data["started"]] == arms
+    assert data["started"][0]["flags"] == [
+        *("--kv-cache-memory-gb", "0.05", "--max-model-len", "1024", "--max-num-seqs", "4")
     ]
+    lengths: dict[tuple[str, str, int], list[int]] = {}
     for r in data["runs"]:
         s = r["summary"]
-        assert (s["completed"], s["failed"]) == (2, 0) and 0 < s["output_tokens"] <= 2 * 6
-        assert not r["spec"]["present"]
-        sent = json.loads(Path(r["result_json"]).read_text())["config"]
-        assert sent["endpoint"] == "/v1/chat/completions" and not sent["ignore_eos"]
-        assert sent["max_concurrency"] == r["concurrency"]
+        assert (s["completed"], s["failed"]) == (2, 0) and 0 < s["output_tokens"] <= 2 * MAX_TOKENS
+        sent = json.loads(Path(r["result_json"]).read_text())
+        assert sent["config"]["endpoint"] == "/v1/chat/completions"
+        assert not sent["config"]["ignore_eos"]
+        assert sent["config"]["max_concurrency"] == r["concurrency"]
+        assert json.loads(sent["config"]["extra_body"]) == json.loads(BIAS)
+        reqs = sorted(sent["requests"], key=lambda q: q["index"])
+        lengths[r["workload"], r["arm"], r["concurrency"]] = [q["output_tokens"] for q in reqs]
+        c = r["spec"]
+        assert c["present"] == (r["arm"] != "none")
+        # two /metrics families against each other: per position, and in all
+        assert (
+            sum(c["verified"]) == c["draft_tokens"] and sum(c["accepted"]) == c["accepted_tokens"]
+        )
     # the runs of a server send disjoint requests, each of the workload it names
     lines = {
         (w, c): (out / "requests" / f"{w}-c{c}.jsonl").read_text().splitlines()
@@ -240,31 +266,20 @@ def test_no_speculation_arm_end_to_end(
     chat = [json.loads(x)["messages"][-1]["content"] for x in lines["chat", 2]]
     assert all(m in workloads.QUESTIONS for m in chat)
     assert data["workloads"]["edit"]["by_source"]["prose.txt"]["passages"] >= 2
-    assert data["verdict"]["adaptive_vs_fixed_mean"] is None
     table = (out / "table.md").read_text()
     assert table.count("| no speculation |") == 4 and table.strip() in printed
-    assert "acceptance by position: the servers reported none" in table
+    names = [report.ARM_NAMES[a] for a in arms]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_speculation_arms_end_to_end(chat_model: Path, tmp_path: Path) -> None:
-    """Greedy: every request's answer has as many tokens with speculation as without."""
-    if not spec_flags_supported():
-        pytest.skip("`deepinfer serve` has no --speculative yet (issue 20's core)")
-    rc, out = _spec_run(chat_model, tmp_path, ["none", "fixed", "adaptive"])
-    assert rc == 0
-    data = json.loads((out / "spec.json").read_text())
-    assert [s["arm"] for s in data["started"]] == ["none", "fixed", "adaptive"]
-    assert "--spec-policy" in data["started"][1]["flags"]
-    lengths: dict[tuple[str, str, int], list[int]] = {}
-    for r in data["runs"]:
-        assert r["summary"]["failed"] == 0
-        assert r["spec"]["present"] == (r["arm"] != "none")
-        reqs = json.loads(Path(r["result_json"]).read_text())["requests"]
-        lengths[r["workload"], r["arm"], r["concurrency"]] = [
-            q["output_tokens"] for q in sorted(reqs, key=lambda q: q["index"])
-        ]
+    if not spec:
+        assert data["verdict"]["adaptive_vs_fixed_mean"] is None
+        pytest.skip("the speculating arms: `deepinfer serve` has no --speculative")
     for (w, arm, c), n in lengths.items():
         assert n == lengths[w, "none", c], (w, arm, c)
+    fixed = [r["spec"] for r in data["runs"] if r["arm"] == "fixed"]
+    assert sum(c["accepted_tokens"] for c in fixed) > 0
+    assert all(0 < c["drafts"] <= c["draft_tokens"] <= 5 * c["drafts"] for c in fixed)
     assert data["verdict"]["adaptive_vs_fixed_mean"] is not None
+    for w in ("edit", "chat"):
+        assert all(f"| {w} | {c} | {name} |" in table for c in (1, 2) for name in names)
+        assert f"| {w} | fixed k=5 | " in table  # its acceptance by position

@@ -1,6 +1,7 @@
-"""The server's speculative-decoding counters around a run: read from /health (drafts, accepted
-tokens by position, chosen budget, the calibration bins) before and after, and their difference;
-the `spec` families of /metrics kept as they are. A server without them gives empty counters."""
+"""The server's speculative-decoding counters around a run, read before and after it, and their
+difference: /metrics (drafts, accepted tokens by position, the chosen budget: vLLM's
+`spec_decode` counters) and, where /health carries them, the calibration bins. A server without
+them gives empty counters."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# /health keys (daemon/loop/spec/stats.py SpecStats.as_dict), all counts since start
+# /metrics counters (daemon/loop/metrics.py), all counts since start
+PREFIX = "deepinfer:spec_decode_"
 TOTALS = {
-    "drafts": "spec_drafts",
-    "draft_tokens": "spec_draft_tokens",
-    "accepted_tokens": "spec_accepted_tokens",
-    "steps": "spec_steps",
-    "budget_tokens": "spec_budget_tokens",
+    "drafts": "num_drafts",
+    "draft_tokens": "num_draft_tokens",
+    "accepted_tokens": "num_accepted_tokens",
+    "steps": "budget_steps",
+    "budget_tokens": "budget_tokens",
 }
-BY_POSITION = {"verified": "spec_verified_by_position", "accepted": "spec_accepted_by_position"}
+BY_POSITION = {"verified": "num_verified_tokens_per_pos", "accepted": "num_accepted_tokens_per_pos"}
 BIN_FIELDS = ("trials", "accepted", "confidence_sum")
 
 
@@ -53,15 +55,17 @@ class SpecCounters:
     verified: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
     bins: list[Bin] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)  # /metrics `spec` samples
+    metrics: dict[str, float] = field(default_factory=dict)  # every `spec` counter sample
 
     @staticmethod
-    def of_health(health: dict[str, Any], metrics: dict[str, float]) -> SpecCounters:
-        c = SpecCounters(present=TOTALS["drafts"] in health, metrics=metrics)
-        for attr, key in TOTALS.items():
-            setattr(c, attr, int(health.get(key) or 0))
-        c.verified = [int(x) for x in health.get(BY_POSITION["verified"]) or []]
-        c.accepted = [int(x) for x in health.get(BY_POSITION["accepted"]) or []]
+    def of(metrics: dict[str, float], health: dict[str, Any]) -> SpecCounters:
+        """From /metrics counter samples (`spec_samples`) and the /health body."""
+        total = {name: v for name, v in metrics.items() if name.startswith(PREFIX)}
+        c = SpecCounters(present=f"{PREFIX}{TOTALS['drafts']}_total" in total, metrics=metrics)
+        for attr, name in TOTALS.items():
+            setattr(c, attr, int(total.get(f"{PREFIX}{name}_total", 0)))
+        c.verified = _by_position(total, BY_POSITION["verified"])
+        c.accepted = _by_position(total, BY_POSITION["accepted"])
         c.bins = _bins(health)
         return c
 
@@ -146,16 +150,16 @@ def read(base_url: str, timeout_s: float = 10.0) -> SpecCounters:
         health = json.loads(r.read())
     with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as r:
         metrics = spec_samples(r.read().decode())
-    return SpecCounters.of_health(health, metrics)
+    return SpecCounters.of(metrics, health)
 
 
 def spec_samples(text: str) -> dict[str, float]:
-    """The samples of every /metrics family named with `spec`, keyed name{labels}."""
+    """The samples of every /metrics counter named with `spec`, keyed name{labels}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if "spec" not in family.name:
+        if "spec" not in family.name or family.type != "counter":
             continue
         for s in family.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
@@ -183,6 +187,13 @@ def _bins(health: dict[str, Any]) -> list[Bin]:
         if bins:
             return bins
     return []
+
+
+def _by_position(total: dict[str, float], name: str) -> list[int]:
+    """A per-position counter's values, position 0 first."""
+    head = f'{PREFIX}{name}_total{{position="'
+    at = {int(k[len(head) : -2]): int(v) for k, v in total.items() if k.startswith(head)}
+    return [at.get(j, 0) for j in range(max(at) + 1)] if at else []
 
 
 def _sub(a: list[int], b: list[int]) -> list[int]:

@@ -148,7 +148,10 @@ def acceptance_table(sums: dict[tuple[str, str], SpecCounters]) -> str:
     (over every concurrency and repeat), with the count verified."""
     spec = {k: c for k, c in sums.items() if c.present and c.verified}
     if not spec:
-        return "acceptance by position: the servers reported none (no `spec_verified_by_position`)"
+        return (
+            "acceptance by position: the servers reported none (no "
+            "`deepinfer:spec_decode_num_verified_tokens_per_pos` in /metrics)"
+        )
     width = max(len(c.verified) for c in spec.values())
     head = " | ".join(f"pos {j + 1}" for j in range(width))
     lines = [
