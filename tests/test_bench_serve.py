@@ -133,6 +133,47 @@ def test_plot(api_server: LiveServer, tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_jsonl_requests_in_file_order(api_server: LiveServer, tmp_path: Path) -> None:
+    """--dataset jsonl: each line once, in order, its own max_tokens or --output-len."""
+    lines = [{"prompt": [5, 6, 7, 8], "max_tokens": 3}, {"prompt": "some text"}, {"prompt": [9]}]
+    path = tmp_path / "req.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    data = bench(
+        api_server,
+        tmp_path / "j.json",
+        *("--dataset", "jsonl", "--dataset-path", str(path), "--output-len", "5"),
+        *("--ignore-eos", "--max-concurrency", "1"),
+    )
+    s = data["summary"]
+    assert (s["completed"], s["failed"]) == (3, 0)
+    reqs = sorted(data["requests"], key=lambda r: r["index"])
+    assert [r["output_tokens"] for r in reqs] == [3, 5, 5]
+    assert [reqs[0]["prompt_tokens"], reqs[2]["prompt_tokens"]] == [4, 1]
+    assert reqs[1]["prompt_tokens"] > 0  # the server's count of the text
+    capped = bench(
+        api_server,
+        tmp_path / "cap.json",
+        *("--dataset", "jsonl", "--dataset-path", str(path), "--num-prompts", "2"),
+    )
+    assert capped["summary"]["completed"] == 2
+
+
+@pytest.mark.parametrize(
+    "line",
+    ['{"prompt": []}', '{"messages": [{"content": "x"}]}', '{"prompt": "x", "max_tokens": 0}',
+     '{"prompt": "x", "messages": []}', "[1, 2]", "{"],
+)  # fmt: skip
+def test_bad_jsonl_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    args = ["bench", "serve", "--dataset", "jsonl", "--dataset-path", str(path)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:2:" in err and "Traceback" not in err
+
+
 def test_unreachable_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["bench", "serve", "--base-url", url, "--disable-tqdm"]) == 1
@@ -154,6 +195,7 @@ def test_rejected_request_is_a_clear_error(
 def test_bad_flags() -> None:
     assert main(["bench", "serve", "--dataset", "chat", "--request-rate", "2"]) == 1
     assert main(["bench", "serve", "--duration", "5"]) == 1
+    assert main(["bench", "serve", "--dataset", "jsonl"]) == 1  # no --dataset-path
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--goodput", "latency:5"])
 

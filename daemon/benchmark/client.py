@@ -1,4 +1,5 @@
-"""One streamed /v1/completions request over aiohttp, timed chunk by chunk into a record."""
+"""One streamed /v1/completions (or, for chat messages, /v1/chat/completions) request over
+aiohttp, timed chunk by chunk into a record."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class RequestRecord:
         return d
 
 
+Payload = list[int] | str | list[dict[str, Any]]  # token ids, text or chat messages
+
+
 @dataclass(frozen=True)
 class Target:
     url: str  # the endpoint's full URL
@@ -57,16 +61,18 @@ class Target:
     ignore_eos: bool
     extra_body: dict[str, Any]
 
-    def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:
+    def body(self, prompt: Payload, max_tokens: int) -> dict[str, Any]:
+        """A completions body; for chat messages (a list of dicts) a chat one."""
+        chat = bool(prompt) and isinstance(prompt, list) and isinstance(prompt[0], dict)
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt,
+            "messages" if chat else "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        if self.prompt_format == "ids":
+        if self.prompt_format == "ids" and not chat:
             body["return_token_ids"] = True
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -93,7 +99,7 @@ async def _events(resp: aiohttp.ClientResponse):
 async def stream_request(
     http: aiohttp.ClientSession,
     target: Target,
-    prompt: list[int] | str,
+    prompt: Payload,
     rec: RequestRecord,
     t0: float,
     extra_headers: dict[str, str] | None = None,
@@ -125,7 +131,7 @@ async def stream_request(
                 now = time.perf_counter()
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or ():
-                    piece = choice.get("text") or ""
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     new_ids = choice.get("token_ids")
                     if new_ids is not None:
                         ids = (ids or []) + list(new_ids)

@@ -1,24 +1,36 @@
 """Workloads of `deepinfer bench serve`: seeded random and shared-prefix prompts as token ids,
-multi-turn chat/agent traces, and the tokenizer that turns ids into text for text-only servers."""
+multi-turn chat/agent traces, a JSONL file of given requests, and the tokenizer that turns ids
+into text for text-only servers."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from daemon.benchmark.traces import DEFAULTS, Kind, Session, TraceParams, Turn, make_trace, sessions
 
 
 @dataclass
 class Prompt:
-    """One request of a flat dataset: token ids (and their text in text mode), answer length."""
+    """One request of a flat dataset: token ids (and their text in text mode), answer length;
+    or chat messages (for a chat endpoint), with no ids."""
 
     ids: list[int]
     max_tokens: int
     text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    @property
+    def payload(self) -> list[int] | str | list[dict[str, Any]]:
+        """What the request sends: messages, else the text, else the ids."""
+        if self.messages is not None:
+            return self.messages
+        return self.text if self.text is not None else self.ids
 
 
 class Codec:
@@ -113,6 +125,48 @@ def prefix_sharing_prompts(
         text = texts[i % num_prefixes] + codec.text_of(suffix) if codec is not None else None
         yield Prompt(prefixes[i % num_prefixes] + suffix, src.length(output_len, ratio), text)
         i += 1
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be read as one; the message names the line."""
+
+
+def jsonl_prompts(path: str | Path, output_len: int) -> list[Prompt]:
+    """The requests of a JSONL file, in order: `{"messages": [...]}` or `{"prompt": TEXT |
+    [IDS]}` per line (blank lines skipped), `max_tokens` defaulting to `output_len`."""
+    out: list[Prompt] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{n}: not JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{n}: expected a JSON object")
+        max_tokens = row.get("max_tokens", output_len)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise DatasetError(f"{path}:{n}: max_tokens must be a positive integer")
+        messages, prompt = row.get("messages"), row.get("prompt")
+        if (messages is None) == (prompt is None):
+            raise DatasetError(f"{path}:{n}: expected exactly one of messages, prompt")
+        if messages is not None:
+            if not (isinstance(messages, list) and messages and _are_messages(messages)):
+                raise DatasetError(f"{path}:{n}: messages must be a list of {{role, content}}")
+            out.append(Prompt([], max_tokens, messages=messages))
+        elif isinstance(prompt, str) and prompt:
+            out.append(Prompt([], max_tokens, text=prompt))
+        elif isinstance(prompt, list) and prompt and all(type(i) is int for i in prompt):
+            out.append(Prompt(prompt, max_tokens))
+        else:
+            raise DatasetError(f"{path}:{n}: prompt must be a non-empty string or list of ids")
+    if not out:
+        raise DatasetError(f"{path}: no requests")
+    return out
+
+
+def _are_messages(messages: list[Any]) -> bool:
+    return all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
 
 
 def scaled_params(

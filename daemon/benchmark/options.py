@@ -8,7 +8,7 @@ import argparse
 from daemon.benchmark.datasets import DEFAULT_VOCAB_SIZE
 
 DEFAULT_NUM_PROMPTS = 200  # random / prefix-sharing, without --num-prompts or --duration
-DATASETS = ("random", "prefix-sharing", "chat", "agent")
+DATASETS = ("random", "prefix-sharing", "chat", "agent", "jsonl")
 PROMPT_FORMATS = ("ids", "text")
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -87,11 +87,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("workload")
     d.add_argument("--dataset", choices=DATASETS, default="random")
     d.add_argument(
+        "--dataset-path",
+        default=None,
+        help='jsonl: one request per line, {"messages": [...]} (send them to --endpoint '
+        '/v1/chat/completions) or {"prompt": TEXT | [IDS]}, with an optional "max_tokens" '
+        "(default --output-len); sent in file order, each once",
+    )
+    d.add_argument(
         "--num-prompts",
         type=int,
         default=None,
         help=f"requests to send (random/prefix-sharing: default {DEFAULT_NUM_PROMPTS}; chat/agent: "
-        "caps the trace's turns, the first N by nominal arrival)",
+        "caps the trace's turns, the first N by nominal arrival; jsonl: the file's first N)",
     )
     d.add_argument("--input-len", type=int, default=256, help="random: prompt tokens; "
                    "prefix-sharing: tokens after the shared prefix")  # fmt: skip

@@ -8,7 +8,8 @@ take only text prompts and return only text (`transformers serve`) need `--promp
 --tokenizer DIR`: the workload's ids are decoded to text and a session's next prompt is the
 previous prompt's text + the answer's text + the next message's text, counted by the server's
 usage (else by the local tokenizer). No answer is ever made up: a turn whose answer ids are
-missing in ids mode fails the session with that message.
+missing in ids mode fails the session with that message. `--dataset jsonl` sends the requests of
+a file, each once: prompts, or chat messages to a chat endpoint (`--endpoint /v1/chat/completions`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from daemon.benchmark.client import RequestRecord, Target, stream_request
+from daemon.benchmark.client import Payload, RequestRecord, Target, stream_request
 from daemon.benchmark.datasets import (
     Codec,
+    DatasetError,
     Prompt,
     TokenSource,
+    jsonl_prompts,
     prefix_sharing_prompts,
     random_prompts,
     scaled_params,
@@ -67,7 +70,7 @@ class Run:
 
     async def send(
         self,
-        prompt: list[int] | str,
+        prompt: Payload,
         rec: RequestRecord,
         headers: dict[str, str] | None = None,
         gate: bool = True,
@@ -76,7 +79,7 @@ class Run:
         one, released here)."""
         self.records.append(rec)
         if isinstance(prompt, list):
-            rec.prompt_tokens = len(prompt)
+            rec.prompt_tokens = len(prompt) if prompt and isinstance(prompt[0], int) else 0
         elif self.codec is not None:
             rec.prompt_tokens = self.codec.count(prompt)
         count = self.codec.count if self.codec is not None else None
@@ -103,6 +106,21 @@ def main(args: argparse.Namespace) -> int:
 
 def _check(a: argparse.Namespace) -> None:
     trace = a.dataset in TRACE_DATASETS
+    if (a.dataset == "jsonl") != (a.dataset_path is not None):
+        raise BenchError("--dataset jsonl and --dataset-path FILE go together")
+    if a.dataset == "jsonl":
+        try:
+            a.jsonl = jsonl_prompts(a.dataset_path, a.output_len)
+        except (OSError, DatasetError) as e:
+            raise BenchError(f"--dataset-path: {e}") from None
+        if a.num_prompts is not None and a.num_prompts > len(a.jsonl):
+            raise BenchError(
+                f"--num-prompts {a.num_prompts}: {a.dataset_path} holds {len(a.jsonl)}"
+            )
+        if a.duration is not None:
+            raise BenchError(
+                "--duration does not apply to --dataset jsonl (each line is sent once)"
+            )
     if a.num_prompts is not None and a.num_prompts < 1:
         raise BenchError("--num-prompts must be at least 1")
     if a.max_concurrency is not None and a.max_concurrency < 1:
@@ -221,7 +239,9 @@ async def _preflight(
     server rejects fail here, with the server's message."""
     src = TokenSource(a.seed + 7919, a.vocab_size, codec)
     ids = src.ids(8)
-    prompt: list[int] | str = codec.text_of(ids) if a.prompt_format == "text" and codec else ids
+    prompt: Payload = codec.text_of(ids) if a.prompt_format == "text" and codec else ids
+    if a.dataset == "jsonl" and a.jsonl[0].messages is not None:
+        prompt = [{"role": "user", "content": "Hello"}]  # not the file's: no cache hit made
     rec = await stream_request(http, target, prompt, RequestRecord(-1, 2), time.perf_counter())
     if not rec.ok:
         msg = rec.error or "no answer"
@@ -233,10 +253,14 @@ async def _preflight(
 def _planned(a: argparse.Namespace) -> int | None:
     if a.dataset in TRACE_DATASETS:
         return None  # set once the trace is built
+    if a.dataset == "jsonl":
+        return a.num_prompts or len(a.jsonl)
     return a.num_prompts or DEFAULT_NUM_PROMPTS
 
 
 def _prompts(a: argparse.Namespace, codec: Codec | None) -> Iterator[Prompt]:
+    if a.dataset == "jsonl":
+        return iter(a.jsonl)
     src = TokenSource(a.seed, a.vocab_size, codec)
     text = codec if a.prompt_format == "text" else None
     if a.dataset == "random":
@@ -257,7 +281,7 @@ async def _run_flat(run: Run, prompts: Iterator[Prompt], a: argparse.Namespace) 
     --num-prompts requests or fresh ones until --duration has passed."""
     rate = a.request_rate or math.inf
     arrivals = random.Random(f"arrivals-{a.seed}")
-    count = a.num_prompts or DEFAULT_NUM_PROMPTS if a.duration is None else a.num_prompts
+    count = _planned(a) if a.duration is None else a.num_prompts
     tasks: list[asyncio.Task] = []
     next_s = 0.0
     for i in itertools.count():
@@ -273,9 +297,8 @@ async def _run_flat(run: Run, prompts: Iterator[Prompt], a: argparse.Namespace) 
                 run.sem.release()
             break
         p = next(prompts)
-        prompt = p.text if p.text is not None else p.ids
         rec = RequestRecord(i, p.max_tokens)
-        tasks.append(asyncio.create_task(run.send(prompt, rec, gate=False)))
+        tasks.append(asyncio.create_task(run.send(p.payload, rec, gate=False)))
         if len(tasks) >= 4096:  # long --duration runs: keep only pending tasks
             await asyncio.gather(*(t for t in tasks if t.done()))
             tasks = [t for t in tasks if not t.done()]
@@ -341,9 +364,8 @@ def _write_json(
     summary: Summary,
     records: list[RequestRecord],
 ) -> None:
-    config: dict[str, Any] = {
-        k: v for k, v in vars(a).items() if k not in ("api_key", "command", "bench_command")
-    }
+    skip = ("api_key", "command", "bench_command", "jsonl")
+    config: dict[str, Any] = {k: v for k, v in vars(a).items() if k not in skip}
     config |= {
         "label": label,
         "model": target.model,

@@ -1,0 +1,246 @@
+"""bench.spec_decode's outputs: medians over repeats per (workload, concurrency, arm), the
+ratios issue 20 asks for against their targets, acceptance by position and the calibration
+table summed over a workload's runs, as markdown; the PNG through bench.peers.report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.peers import report as peers_report
+from bench.spec.counters import SpecCounters
+
+ARMS = ("none", "fixed", "adaptive")
+ARM_NAMES = {"none": "no speculation", "fixed": "fixed k=5", "adaptive": "adaptive"}
+# issue 20's targets
+ADAPTIVE_VS_FIXED = 1.06  # averaged over the grid
+ADAPTIVE_VS_NONE = 1.0  # at every point
+EDIT_C1_VS_NONE = 1.5  # workload (a) at concurrency 1
+
+
+@dataclass
+class Point:
+    workload: str
+    concurrency: int
+    arm: str
+    repeats: int
+    completed: int  # per repeat, the fewest
+    failed: int  # over all repeats
+    output_tok_s: float  # median over repeats
+    tpot_p50_ms: float
+    ttft_p50_ms: float
+    vs_none: float | None = None  # output tok/s / no speculation's, same workload and conc.
+    vs_fixed: float | None = None  # adaptive only: / fixed k=5's
+    mean_accepted_length: float | None = None  # over the repeats' runs together
+    acceptance_rate: float | None = None
+    budget_mean: float | None = None
+
+
+@dataclass
+class Verdict:
+    adaptive_vs_fixed_mean: float | None  # the mean of adaptive / fixed over the grid
+    adaptive_vs_none_min: float | None
+    adaptive_vs_none_min_at: str | None  # the point where it is lowest
+    edit_c1_vs_none: float | None  # adaptive / none on (a) at concurrency 1
+
+    def lines(self) -> list[str]:
+        at = self.adaptive_vs_none_min_at or "–"
+        return [
+            _target(
+                "adaptive ÷ fixed k=5, mean over the grid",
+                self.adaptive_vs_fixed_mean,
+                ADAPTIVE_VS_FIXED,
+            ),
+            _target(
+                f"adaptive ÷ no speculation, lowest point ({at})",
+                self.adaptive_vs_none_min,
+                ADAPTIVE_VS_NONE,
+            ),
+            _target(
+                "adaptive ÷ no speculation, edit at concurrency 1",
+                self.edit_c1_vs_none,
+                EDIT_C1_VS_NONE,
+            ),
+        ]
+
+
+def points(runs: list[dict[str, Any]]) -> list[Point]:
+    """`runs`: {"workload", "arm", "concurrency", "repeat", "summary", "spec"} each."""
+    keyed = [r | {"system": f"{r['workload']}/{r['arm']}"} for r in runs]
+    spec: dict[tuple[str, str, int], SpecCounters] = {}
+    for r in runs:
+        key = (r["workload"], r["arm"], r["concurrency"])
+        c = SpecCounters.from_json(r["spec"])
+        spec[key] = spec[key].plus(c) if key in spec else c
+    out = []
+    for row in peers_report.rows(keyed):
+        workload, arm = row.system.split("/")
+        c = spec[(workload, arm, row.concurrency)]
+        out.append(
+            Point(
+                workload,
+                row.concurrency,
+                arm,
+                row.repeats,
+                row.completed,
+                row.failed,
+                row.output_tok_s,
+                row.tpot_p50_ms,
+                row.ttft_p50_ms,
+                mean_accepted_length=c.mean_accepted_length,
+                acceptance_rate=c.acceptance_rate,
+                budget_mean=c.budget_mean,
+            )
+        )
+    by = {(p.workload, p.concurrency, p.arm): p for p in out}
+    for p in out:
+        if (none := by.get((p.workload, p.concurrency, "none"))) is not None and p.arm != "none":
+            p.vs_none = _ratio(p.output_tok_s, none.output_tok_s)
+        if p.arm == "adaptive" and (fixed := by.get((p.workload, p.concurrency, "fixed"))):
+            p.vs_fixed = _ratio(p.output_tok_s, fixed.output_tok_s)
+    order = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in runs))}
+    return sorted(out, key=lambda p: (order[p.workload], p.concurrency, ARMS.index(p.arm)))
+
+
+def verdict(ps: list[Point]) -> Verdict:
+    adaptive = [p for p in ps if p.arm == "adaptive"]
+    vs_fixed = [p.vs_fixed for p in adaptive if p.vs_fixed is not None]
+    vs_none = [(p.vs_none, f"{p.workload} c{p.concurrency}") for p in adaptive if p.vs_none]
+    low = min(vs_none) if vs_none else (None, None)
+    edit_c1 = [p.vs_none for p in adaptive if (p.workload, p.concurrency) == ("edit", 1)]
+    return Verdict(
+        sum(vs_fixed) / len(vs_fixed) if vs_fixed else None,
+        low[0],
+        low[1],
+        edit_c1[0] if edit_c1 else None,
+    )
+
+
+def table(ps: list[Point]) -> str:
+    lines = [
+        "| workload | conc. | arm | output tok/s | ÷ none | ÷ fixed 5 | TPOT p50 | TTFT p50 | "
+        "mean accepted length | acceptance | draft tokens / step | completed / failed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in ps:
+        lines.append(
+            f"| {p.workload} | {p.concurrency} | {ARM_NAMES.get(p.arm, p.arm)} | "
+            f"{p.output_tok_s:.1f} | {_x(p.vs_none)} | {_x(p.vs_fixed)} | "
+            f"{_ms(p.tpot_p50_ms)} | {_ms(p.ttft_p50_ms)} | {_f(p.mean_accepted_length)} | "
+            f"{_pct(p.acceptance_rate)} | {_f(p.budget_mean)} | {p.completed} / {p.failed} |"
+        )
+    return "\n".join(lines)
+
+
+def summed(runs: list[dict[str, Any]]) -> dict[tuple[str, str], SpecCounters]:
+    """Each (workload, arm)'s counters over all its runs."""
+    out: dict[tuple[str, str], SpecCounters] = {}
+    for r in runs:
+        key = (r["workload"], r["arm"])
+        c = SpecCounters.from_json(r["spec"])
+        out[key] = out[key].plus(c) if key in out else c
+    return out
+
+
+def acceptance_table(sums: dict[tuple[str, str], SpecCounters]) -> str:
+    """Per (workload, arm): of the drafts verified to position j, the fraction accepted there
+    (over every concurrency and repeat), with the count verified."""
+    spec = {k: c for k, c in sums.items() if c.present and c.verified}
+    if not spec:
+        return (
+            "acceptance by position: the servers reported none (no "
+            "`deepinfer:spec_decode_num_verified_tokens_per_pos` in /metrics)"
+        )
+    width = max(len(c.verified) for c in spec.values())
+    head = " | ".join(f"pos {j + 1}" for j in range(width))
+    lines = [
+        f"| workload | arm | {head} |",
+        "|---|---|" + "---:|" * width,
+    ]
+    for (workload, arm), c in spec.items():
+        cells = []
+        for j, rate in enumerate(c.by_position()):
+            cells.append("–" if rate is None else f"{rate:.1%} ({c.verified[j]})")
+        cells += ["–"] * (width - len(cells))
+        lines.append(f"| {workload} | {ARM_NAMES.get(arm, arm)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def calibration_table(sums: dict[tuple[str, str], SpecCounters]) -> str:
+    """Per (workload, arm) and confidence bin: positions tested, the drafter's mean raw
+    confidence there (expected) and the fraction accepted (observed)."""
+    spec = {k: c for k, c in sums.items() if any(b.trials for b in c.bins)}
+    if not spec:
+        return "calibration: the servers reported no calibration bins in /health"
+    lines = [
+        "| workload | arm | confidence | tested | expected | observed |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for (workload, arm), c in spec.items():
+        for b in c.bins:
+            if b.trials:
+                lines.append(
+                    f"| {workload} | {ARM_NAMES.get(arm, arm)} | [{b.lo:.2f}, {b.hi:.2f}) | "
+                    f"{b.trials} | {_pct(b.expected)} | {_pct(b.observed)} |"
+                )
+    return "\n".join(lines)
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    ps = points(runs)
+    sums = summed(runs)
+    parts = [
+        table(ps),
+        "\n".join(f"- {line}" for line in verdict(ps).lines()),
+        acceptance_table(sums),
+        calibration_table(sums),
+    ]
+    return "\n\n".join(parts)
+
+
+def plot(ps: list[Point], path: Path, title: str) -> bool:
+    """Output tok/s and TPOT p50 against concurrency, a line per workload and arm."""
+    rows = [
+        peers_report.Row(
+            f"{p.workload} / {ARM_NAMES.get(p.arm, p.arm)}",
+            p.concurrency,
+            p.repeats,
+            p.completed,
+            p.failed,
+            p.output_tok_s,
+            p.ttft_p50_ms,
+            float("nan"),
+            p.tpot_p50_ms,
+            float("nan"),
+        )
+        for p in ps
+    ]
+    return peers_report.plot(rows, path, title)
+
+
+def _target(name: str, value: float | None, target: float) -> str:
+    if value is None:
+        return f"{name}: – (target ≥ {target:.2f}×; not measured)"
+    mark = "met" if value >= target else "NOT met"
+    return f"{name}: **{value:.3f}×** (target ≥ {target:.2f}×: {mark})"
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b and a == a and b == b else None  # x == x: not NaN
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _f(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1%}"
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None or v != v else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
