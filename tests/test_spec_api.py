@@ -103,6 +103,13 @@ def test_drafts_in_metrics_and_health(spec_server) -> None:
     assert 0 < health["spec_accepted_tokens"] < health["spec_draft_tokens"]
     assert health["spec_mean_accepted_length"] >= 1.0
     assert len(health["spec_acceptance_by_position"]) >= 1
+    # the calibration: each verified draft's accepted positions and its first rejected one
+    bins = health["spec_calibration"]
+    assert bins and all(0.0 <= b["lo"] < b["hi"] <= 1.0 and b["trials"] > 0 for b in bins)
+    assert sum(b["accepted"] for b in bins) == health["spec_accepted_tokens"]
+    rejected = sum(b["trials"] - b["accepted"] for b in bins)
+    assert 0 < rejected <= health["spec_drafts"]
+    assert all(b["lo"] <= b["expected"] <= b["hi"] for b in bins)
     assert health["kv_blocks_free"] == health["kv_blocks_total"]
     text = get(spec_server, "/metrics")
     lines = dict(

@@ -299,7 +299,7 @@ class Engine:
                 "steps": self.steps,
             }
             | (prefix.snapshot_stats() if prefix is not None else {})
-            | (spec.stats.as_dict() if (spec := self.scheduler.speculator) is not None else {})
+            | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
         )
 

@@ -74,3 +74,8 @@ class SpecPolicy(Protocol):
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A verified draft's outcome (`confidence` as proposed): calibration data."""
         ...
+
+    def calibration(self) -> list[dict[str, float | int | None]]:
+        """Its calibration so far, bin by bin: the raw confidences' range (lo, hi), positions
+        tested (trials), accepted, their confidence_sum, expected and observed acceptance."""
+        ...

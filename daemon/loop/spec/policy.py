@@ -29,6 +29,9 @@ class FixedPolicy:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
 
+    def calibration(self) -> list[dict[str, float | int | None]]:
+        return [b.as_dict() for b in self.calibrator.table()]
+
 
 class AdaptivePolicy:
     """DSpark / vLLM's adaptive verification. A draft slot (i, j) survives with s_ij = the
@@ -84,6 +87,9 @@ class AdaptivePolicy:
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
+
+    def calibration(self) -> list[dict[str, float | int | None]]:
+        return [b.as_dict() for b in self.calibrator.table()]
 
 
 def build_policy(name: str, k: int, cost: StepCost | None = None) -> SpecPolicy:

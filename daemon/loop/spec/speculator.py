@@ -72,6 +72,11 @@ class Speculator:
     def finished(self, req: Request) -> None:
         self.drafter.finished(req)
 
+    def as_dict(self) -> dict[str, object]:
+        """The counters and the policy's calibration (bins a draft position has reached)."""
+        bins = [b for b in self.policy.calibration() if b["trials"]]
+        return self.stats.as_dict() | {"spec_calibration": bins}
+
 
 def _cut(draft: Draft, limit: int) -> Draft:
     if len(draft.tokens) <= limit and len(draft.confidence) == len(draft.tokens):
