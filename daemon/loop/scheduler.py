@@ -18,6 +18,7 @@ from daemon.kv.prefix import PrefixCache
 from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.spec.base import Draft
+from daemon.loop.spec.layerskip import LayerSkipDrafter
 from daemon.loop.spec.speculator import Speculator
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,9 @@ class ScheduledSeq:
     # samples at each of its last len(draft) + 1 rows
     draft: list[int] = field(default_factory=list)
     proposal: Draft | None = None  # the draft as the drafter proposed it (with `draft`)
+    # layer skipping: drafts the runner makes at the end of the step, after the token it
+    # samples (its KV blocks cover their positions)
+    draft_after: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -147,6 +151,8 @@ class Scheduler:
             return SchedulerStep([], reads) if reads else None
         if self.speculator is not None and budget > 0:
             self._draft(self.speculator, scheduled, budget)
+        if self.speculator is not None and isinstance(self.speculator.drafter, LayerSkipDrafter):
+            self._mark_drafting(self.speculator.drafter, self.speculator.k, scheduled)
         scheduled.sort(key=lambda s: s.order)
         return SchedulerStep(scheduled, reads)
 
@@ -176,6 +182,33 @@ class Scheduler:
             budget -= n
             chosen += n
         spec.stats.on_budget(chosen)
+
+    def _mark_drafting(
+        self, drafter: LayerSkipDrafter, k: int, scheduled: list[ScheduledSeq]
+    ) -> None:
+        """Layer skipping: mark the sequences the runner drafts for at the end of this step,
+        those whose next step will take the drafts (it verifies drafts now, or will be held
+        back for them under overlap; else a probe now and then: LayerSkipDrafter.wants), and
+        grow their KV over the draft positions (the passes write the draft layers' KV there;
+        the verify overwrites it at every layer). A sequence not marked gives back what an
+        earlier mark left it beyond its computed positions."""
+        for seq in scheduled:
+            req = seq.request
+            n = 0
+            if seq.samples and not seq.replay and _may_draft(req):
+                # the next step samples one token: drafts for those after it
+                n = max(0, min(k, req.params.max_tokens - req.num_sampled_scheduled - 1))
+            if n > 0:
+                # the decode that follows is held back for its drafts (as _held_for_drafts)
+                now = bool(seq.draft) or req.decodes_without_drafts not in range(1, PROBE_EVERY)
+                input_known = req.num_known_tokens >= seq.start + seq.num_tokens - len(seq.draft)
+                if not (now or input_known) or not drafter.wants(req, now, PROBE_EVERY):
+                    n = 0  # its next step runs before this one is processed, or not now
+            if n > 0 and not self.kv.grow(req.request_id, req.num_computed + n):
+                n = 0
+            seq.draft_after = n
+            if n == 0:
+                self.kv.shrink(req.request_id, req.num_computed)
 
     def _held_for_drafts(self, req: Request) -> bool:
         """With overlap: a decode whose last token is still on the device cannot be drafted
