@@ -231,6 +231,7 @@ def test_the_token_bound_evicts_the_oldest() -> None:
     assert (index.num_requests, index.num_tokens) == (1, 10)
     assert index.query([120, 121], 2).tokens == [122, 123]
     assert index.query([100, 101], 2) is None
+    assert index.indexed == 6 + 5 + 10  # each request's tokens indexed once
 
 
 def test_the_longest_shared_context_wins_then_the_majority() -> None:

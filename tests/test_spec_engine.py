@@ -181,3 +181,68 @@ async def test_sampled_requests_run_beside_drafts(checkpoint, prompts):
         await engine.stop()
     assert [tokens(o) for o in drafted] == [tokens(o) for o in plain]
     assert [len(tokens(o)) for o in drafted] == [20, 24, 20]
+
+
+# three tokens far above the rest: the output runs over them as the model's logits choose, so
+# it repeats itself and lookups draft from it, some drafts right and some not
+BIASED = SamplingParams(
+    max_tokens=32, temperature=0.0, ignore_eos=True, logit_bias={1000: 30, 2000: 30, 3000: 30}
+)
+
+
+@pytest.mark.parametrize(("drafter", "policy"), [("ngram", "adaptive"), ("suffix", "fixed")])
+async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter, policy):
+    """The real drafters, built by name as build_engine wires them (the adaptive policy over a
+    cost table profiled at engine start), beside a plain request."""
+    plain_engine = await started(checkpoint, overlap=False)
+    params = [BIASED, GREEDY, BIASED]
+    try:
+        plain = await run_all(plain_engine, prompts[:3], params)
+    finally:
+        await plain_engine.stop()
+    engine = await started(
+        checkpoint, overlap=False, max_num_seqs=4, speculative=drafter, spec_policy=policy
+    )
+    try:
+        spec = engine.scheduler.speculator
+        assert spec is not None and spec.drafter.name == drafter
+        assert type(spec.policy).__name__ == f"{policy.capitalize()}Policy"
+        first = await run_all(engine, prompts[:3], params)
+        again = await run_all(engine, prompts[:3], params)  # suffix: finds the first run's
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in first] == [tokens(o) for o in again] == [tokens(o) for o in plain]
+    assert stats["spec_drafts"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_verify_rows_run_in_the_compiled_decode_forward(checkpoint, prompts):
+    """Dense verify rows are one-token decodes: a step of decodes and drafts runs in the
+    compiled CPU decode forward (sized for the drafts), to the same greedy output."""
+    engine = await started(
+        checkpoint, enforce_eager=False, speculative="ngram", spec_policy="fixed", max_num_seqs=4
+    )
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    rows: list[int] = []
+    run = graphs.run
+
+    def spy(input_ids, positions, batch):
+        hidden = run(input_ids, positions, batch)
+        if hidden is not None:
+            rows.append(batch.num_decodes)
+        return hidden
+
+    graphs.run = spy
+    try:
+        engine.scheduler.speculator = None
+        plain = await run_all(engine, prompts[:2], [GREEDY] * 2)
+        drafter = OracleDrafter({tuple(p): tokens(o) for p, o in zip(prompts, plain)}, VOCAB)
+        speculate(engine, drafter)
+        rows.clear()
+        drafted = await run_all(engine, prompts[:2], [GREEDY] * 2)
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in drafted] == [tokens(o) for o in plain]
+    assert max(rows) > 2  # more rows than requests: verify rows, compiled

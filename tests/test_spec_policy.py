@@ -243,3 +243,10 @@ def test_cost_table_rejects_bad_rows() -> None:
         CostTable([CostRow(4, [4], [1.0]), CostRow(2, [2], [1.0])])
     with pytest.raises(ValueError):
         CostTable([])
+
+
+def test_calibrate_all_is_calibrate_of_each() -> None:
+    cal = Calibrator(num_bins=5)
+    cal.observe([0.1, 0.5, 0.95], 3, 2)
+    values = [-0.5, 0.0, 0.1, 0.2, 0.5, 0.95, 1.0, 1.7]
+    assert cal.calibrate_all(values) == [cal.calibrate(v) for v in values]

@@ -11,12 +11,12 @@ import torch
 from daemon.kv.manager import KVManager, pool_sizes
 from daemon.loop.runner import ModelRunner
 from daemon.loop.spec.cost import CostTable
-from daemon.loop.spec_profile import profile
+from daemon.loop.spec_profile import _non_decreasing, profile
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from daemon.models.loader import load_model
 
 CPU = torch.device("cpu")
-MAX_SEQS = 4
+MAX_SEQS = 5
 BATCHED = 256
 
 
@@ -35,12 +35,21 @@ def dense(tmp_path_factory) -> tuple[ModelRunner, KVManager]:
     return _engine_parts(make_dense_checkpoint(tmp_path_factory.mktemp("llama")), tokens=8192)
 
 
-def test_profile_measures_every_batch_size(dense) -> None:
+def test_profile_measures_every_batch_size(dense, monkeypatch) -> None:
     runner, kv = dense
     free = [u.num_free for u in kv.usage()]
     state = runner.generator.get_state()
+    prepare, verified = runner.prepare, []
+
+    def watched(step, kv, ops):
+        prepared = prepare(step, kv, ops)
+        verified.append(0 if prepared.verify is None else len(prepared.verify.seqs))
+        return prepared
+
+    monkeypatch.setattr(runner, "prepare", watched)
     table = profile(runner, kv, MAX_SEQS, BATCHED, k=3, repeats=2, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2, 4]
+    assert set(verified) == {0, 1, 4, 5}  # verify points: every sequence verifies its drafts
+    assert [r.num_seqs for r in table.rows] == [1, 4, 5]
     for row in table.rows:
         s = row.num_seqs
         assert row.num_tokens == [s, 2 * s, 4 * s, BATCHED]  # 1, 2 and k + 1 tokens each
@@ -56,19 +65,37 @@ def test_profile_measures_every_batch_size(dense) -> None:
 
 
 def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
-    # 2 sequences of 128 + 4 positions fit 24 blocks of 16 tokens, 4 do not
-    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=24 * 16)
-    assert kv.capacity_tokens() == 24 * 16
+    # 4 sequences of 128 + 4 positions fit 40 blocks of 16 tokens, 5 do not
+    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=40 * 16)
+    assert kv.capacity_tokens() == 40 * 16
     table = profile(runner, kv, MAX_SEQS, 96, k=3, repeats=1, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2]
+    assert [r.num_seqs for r in table.rows] == [1, 4]
     assert table.rows[0].num_tokens == [1, 2, 4, 96]
-    assert table.seconds(16, 4) > 0  # extrapolated
+    assert table.seconds(25, 5) > 0  # extrapolated
     assert all(u.num_free == u.num_blocks for u in kv.usage())
 
 
 def test_profile_times_the_rollback_of_per_request_state(tmp_path) -> None:
     runner, kv = _engine_parts(make_v4_checkpoint(tmp_path), 64 << 20)
-    table = profile(runner, kv, 2, 64, k=1, repeats=1, point_seconds=0.05)
-    assert [r.num_seqs for r in table.rows] == [1, 2]
+    table = profile(runner, kv, 1, 64, k=1, repeats=1, point_seconds=0.05)
+    assert [(r.num_seqs, r.num_tokens) for r in table.rows] == [(1, [1, 2, 64])]
     assert table.rollback_seconds > 0  # the ring and compressor state are copied
     assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
+def test_profile_keeps_within_the_token_budget(dense) -> None:
+    runner, kv = dense
+    table = profile(runner, kv, MAX_SEQS, 12, k=3, repeats=1, point_seconds=0.05)
+    # 1, 2 and 4 tokens a sequence where they fit 12, then the prefill-sized step
+    assert [(r.num_seqs, r.num_tokens) for r in table.rows] == [
+        (1, [1, 2, 4, 12]),
+        (4, [4, 8, 12]),
+        (5, [5, 10, 12]),
+    ]
+    assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
+def test_rows_are_made_non_decreasing() -> None:
+    assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert _non_decreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]

@@ -12,6 +12,7 @@ import torch
 from daemon.loop.request import SamplingParams
 from daemon.loop.sampler import SamplingBatch, sample
 from daemon.loop.spec.rejection import verify
+from kernels import sampling_cpu
 
 V = 8
 GREEDY = SamplingParams(temperature=0.0)
@@ -140,6 +141,24 @@ def test_seeded_rows_with_draft_distributions_reproduce() -> None:
     assert len(outcomes) > 1  # the output index moves the stream
 
 
+def test_a_seeded_row_is_decided_by_its_own_output_index() -> None:
+    """Verifying [a, b] at output index 2 and, once a is taken, [b] at index 3 decide b alike:
+    each row draws from its own index's stream, however the drafts are split into steps."""
+    rows = torch.randn(3, V, generator=gen(70))
+    q = torch.randn(2, V, generator=gen(71)).softmax(-1)
+    draft = [int(rows[0].argmax()), int(rows[1].argsort()[V // 2])]  # b: often rejected
+    compared, rejected = 0, 0
+    for seed in range(40):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        both = verify(rows, [draft], [q], batch([p], [2]), gen(0))
+        if both.num_accepted[0] >= 1:
+            second = verify(rows[1:], [draft[1:]], [q[1:]], batch([p], [3]), gen(1))
+            assert second.tokens[0] == both.tokens[0][1:]
+            compared += 1
+            rejected += both.num_accepted[0] == 1
+    assert compared > 5 and 0 < rejected < compared
+
+
 def test_a_mixed_batch_decides_each_sequence_as_alone() -> None:
     vocab = 64
     seeded = SamplingParams(temperature=0.9, seed=21)
@@ -184,8 +203,12 @@ def first_tokens(
     return torch.tensor([t[0] for t in out.tokens])
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("p", WARPS, ids=["t1", "top_k", "top_p", "min_p"])
-def test_the_first_token_is_distributed_as_the_target(p: SamplingParams) -> None:
+def test_the_first_token_is_distributed_as_the_target(
+    monkeypatch: pytest.MonkeyPatch, p: SamplingParams, kernel: bool
+) -> None:
+    monkeypatch.setattr(sampling_cpu, "ENABLED", kernel)  # the C++ sampler, or torch's (GPUs)
     n = 6000
     row = torch.randn(V, generator=gen(40))
     want = target(row, p)
@@ -235,6 +258,21 @@ def test_two_emitted_tokens_are_distributed_as_p1_times_p2(model_drafts: bool) -
     # the test tells: the pair of drafts, as drawn, is not p1 x p2
     drawn = torch.bincount(drafts[0] * V + drafts[1], minlength=V * V)
     assert not chi_square_ok(drawn, torch.outer(p1, p2))
+
+
+def test_a_draft_the_target_cannot_emit_is_always_rejected() -> None:
+    n = 4000
+    p = SamplingParams(temperature=1.0, top_k=3)
+    row = torch.randn(V, generator=gen(60))
+    want = target(row, p)
+    banned = int(want.argmin())  # outside the top 3
+    q = torch.zeros(V)
+    q[banned] = 1.0
+    draft = torch.full((n,), banned)
+    for probs, seed in ((None, 61), (q, 62)):  # every row rejected: no bonus row is drawn
+        tokens = first_tokens(p, row, draft, probs, seed)
+        assert banned not in tokens.tolist()
+        assert chi_square_ok(torch.bincount(tokens, minlength=V), want)
 
 
 def test_a_draft_distribution_of_the_wrong_shape_is_refused() -> None:

@@ -24,7 +24,7 @@ from daemon.loop.spec.speculator import Speculator
 log = structlog.get_logger(__name__)
 
 # with overlap, a request whose drafts went unverified this many decodes in a row is held back
-# once (its last token known on the host) to be drafted again
+# once (its last token known on the host) to be drafted again; then after twice as many, ...
 PROBE_EVERY = 8
 
 
@@ -152,7 +152,7 @@ class Scheduler:
         if self.speculator is not None and budget > 0:
             self._draft(self.speculator, scheduled, budget)
         if self.speculator is not None and isinstance(self.speculator.drafter, LayerSkipDrafter):
-            self._mark_drafting(self.speculator.drafter, self.speculator.k, scheduled)
+            self._mark_drafting(self.speculator.k, scheduled)
         scheduled.sort(key=lambda s: s.order)
         return SchedulerStep(scheduled, reads)
 
@@ -172,7 +172,7 @@ class Scheduler:
             n = min(plan.length, budget)
             req = seq.request
             if n <= 0 or not self.kv.grow(req.request_id, req.num_computed + n):
-                req.decodes_without_drafts = 1
+                req.decodes_without_drafts += 1
                 continue
             req.decodes_without_drafts = 0
             seq.draft, seq.proposal = plan.tokens[:n], plan.proposal
@@ -183,27 +183,19 @@ class Scheduler:
             chosen += n
         spec.stats.on_budget(chosen)
 
-    def _mark_drafting(
-        self, drafter: LayerSkipDrafter, k: int, scheduled: list[ScheduledSeq]
-    ) -> None:
+    def _mark_drafting(self, k: int, scheduled: list[ScheduledSeq]) -> None:
         """Layer skipping: mark the sequences the runner drafts for at the end of this step,
-        those whose next step will take the drafts (it verifies drafts now, or will be held
-        back for them under overlap; else a probe now and then: LayerSkipDrafter.wants), and
-        grow their KV over the draft positions (the passes write the draft layers' KV there;
-        the verify overwrites it at every layer). A sequence not marked gives back what an
-        earlier mark left it beyond its computed positions."""
+        those whose next decode takes drafts (`_takes_drafts`: under overlap it is then held
+        back for them), and grow their KV over the draft positions (the passes write the draft
+        layers' KV there; the verify overwrites it at every layer). A sequence not marked gives
+        back what an earlier mark left it beyond its computed positions."""
         for seq in scheduled:
             req = seq.request
             n = 0
-            if seq.samples and not seq.replay and _may_draft(req):
+            takes = _takes_drafts(req.decodes_without_drafts)
+            if takes and seq.samples and not seq.replay and _may_draft(req):
                 # the next step samples one token: drafts for those after it
                 n = max(0, min(k, req.params.max_tokens - req.num_sampled_scheduled - 1))
-            if n > 0:
-                # the decode that follows is held back for its drafts (as _held_for_drafts)
-                now = bool(seq.draft) or req.decodes_without_drafts not in range(1, PROBE_EVERY)
-                input_known = req.num_known_tokens >= seq.start + seq.num_tokens - len(seq.draft)
-                if not (now or input_known) or not drafter.wants(req, now, PROBE_EVERY):
-                    n = 0  # its next step runs before this one is processed, or not now
             if n > 0 and not self.kv.grow(req.request_id, req.num_computed + n):
                 n = 0
             seq.draft_after = n
@@ -213,17 +205,19 @@ class Scheduler:
     def _held_for_drafts(self, req: Request) -> bool:
         """With overlap: a decode whose last token is still on the device cannot be drafted
         for; it is held back for a step (its token then known) while its drafts have been
-        worth verifying, and every PROBE_EVERY decodes once they have not."""
+        worth verifying, and once they have not, after PROBE_EVERY decodes without, twice as
+        many, and so on (each hold costs it a step)."""
         if self.speculator is None or req.num_known_tokens == req.seq_len:
             return False  # nothing in flight that it waits on
         if req.num_computed != req.seq_len - 1 or not _may_draft(req):
             return False
         if req.params.max_tokens - req.num_sampled_scheduled < 2:
             return False  # no draft could follow its next token
-        if req.decodes_without_drafts in range(1, PROBE_EVERY):
-            req.decodes_without_drafts += 1
-            return False
-        return True
+        n = req.decodes_without_drafts
+        if n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0):
+            return True
+        req.decodes_without_drafts += 1
+        return False
 
     @staticmethod
     def _may_speculate(seq: ScheduledSeq) -> bool:
@@ -359,3 +353,11 @@ def _may_draft(req: Request) -> bool:
     along the draft)."""
     p = req.params
     return not p.has_penalties and p.constraint is None
+
+
+def _takes_drafts(decodes_without_drafts: int) -> bool:
+    """Whether a request that many decodes without verified drafts takes drafts at its next
+    decode: while they are verified, then after PROBE_EVERY decodes without, twice as many,
+    and so on (the decodes `_held_for_drafts` holds back for them under overlap)."""
+    n = decodes_without_drafts
+    return n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0)

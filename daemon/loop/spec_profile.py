@@ -42,20 +42,22 @@ def profile(
     repeats: int = 5,
     point_seconds: float = 0.5,
 ) -> CostTable:
-    """Time steps over 1, 2, 4, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
-    (a few points: a decode and its drafts, verified), and a prefill-sized step of each batch
-    size (decodes and one chunk making `max_num_batched_tokens`): host preparation included,
-    as the engine runs a step. With layer skipping (`runner.draft_layers`) every verify point
-    also makes `k` drafts per sequence at its end, as a sequence that verifies drafts does in
-    the engine (one that verifies none stops drafting): the drafting cost is in the table's
-    verify points, so choosing any draft for a sequence is charged its passes, spread over its
-    first drafts' tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot and
-    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point is the median of up to `repeats` runs after an untimed
-    one, fewer once the point has taken `point_seconds` (a first run that long is its own
-    measurement); each row is then made non-decreasing in tokens, against the noise of a
-    shared machine. Must run before any request: the synthetic sequences take blocks from
-    `kv` and write them, and give them back after. Batch sizes whose sequences the KV pool
-    cannot hold are left out (the table extrapolates)."""
+    """Time steps over 1, 4, 16, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
+    (a few points: a decode and its drafts, verified; none past `max_num_batched_tokens`, which
+    no step exceeds), and a prefill-sized step of each batch size (decodes and one chunk making
+    `max_num_batched_tokens`): host preparation included, as the engine runs a step. With
+    layer skipping (`runner.draft_layers`) every verify point also makes `k` drafts per
+    sequence at its end, as a sequence that verifies drafts does in the engine (one that
+    verifies none stops drafting): the drafting cost is in the table's verify points, so
+    choosing any draft for a sequence is charged its passes, spread over its first drafts'
+    tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
+    and restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each
+    point is the median of up to `repeats` runs after an untimed one, fewer once the point has
+    taken `point_seconds` (a first run that long is its own measurement); each row is then made
+    non-decreasing in tokens, against the noise of a shared machine. Must run before any
+    request: the synthetic sequences take blocks from `kv` and write them, and give them back
+    after. Batch sizes whose sequences the KV pool cannot hold are left out (the table
+    extrapolates)."""
     generator_state = runner.generator.get_state()
     previous_threads = torch.get_num_threads()
     started = time.perf_counter()
@@ -143,9 +145,11 @@ def _plan(
     (`drafts`: positions past the verify rows that layer-skip passes write): the decode / verify
     rows of every batch size that fits first, then the prefill chunk."""
     per_seq = sorted({1, 2, k // 2 + 1, k + 1})
-    seq_counts = sorted({min(1 << e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
+    seq_counts = sorted({min(4**e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
     fitted = []
     for s in seq_counts:
+        if s > max_num_batched_tokens:
+            break  # no step has that many decodes
         if not all(kv.grow(r.request_id, CONTEXT + k + 1 + drafts) for r in reqs[:s]):
             break
         fitted.append(s)
@@ -153,9 +157,11 @@ def _plan(
     prefill = bool(fitted) and kv.grow(reqs[0].request_id, max_num_batched_tokens)
     points: list[_Point] = []
     for s in fitted:
-        points.extend(_Point(s, n, s * n) for n in per_seq)
-        if prefill and max_num_batched_tokens > s * (k + 1):
-            points.append(_Point(s, 0, max_num_batched_tokens))
+        # no step is larger than the scheduler's token budget (drafts count against it)
+        row = [_Point(s, n, s * n) for n in per_seq if s * n <= max_num_batched_tokens]
+        if prefill and max_num_batched_tokens > row[-1].num_tokens:
+            row.append(_Point(s, 0, max_num_batched_tokens))
+        points.extend(row)
     return points
 
 

@@ -52,6 +52,16 @@ class Calibrator:
         b = self._bin(c)
         return (self.accepted[b] + self.prior * c) / (self.trials[b] + self.prior)
 
+    def calibrate_all(self, confidence: list[float]) -> list[float]:
+        """`calibrate` of each (the policy's per-step call, so with its lookups hoisted)."""
+        n, prior, trials, accepted = self.num_bins, self.prior, self.trials, self.accepted
+        out = []
+        for c in confidence:
+            c = 0.0 if c < 0.0 else 1.0 if c > 1.0 else c
+            b = min(int(c * n), n - 1)
+            out.append((accepted[b] + prior * c) / (trials[b] + prior))
+        return out
+
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A draft verified at its first `verified` positions, of which the first `accepted`
         were accepted: those are successes, the one after them (if verified) a failure; later

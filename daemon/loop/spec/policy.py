@@ -57,8 +57,9 @@ class AdaptivePolicy:
         slots: list[tuple[float, int, int]] = []  # (-survival, candidate, position)
         for i, c in enumerate(candidates):
             survival = 1.0
-            for j in range(min(self.k, c.max_len, len(c.confidence))):
-                survival *= self.calibrator.calibrate(c.confidence[j])
+            n = max(0, min(self.k, c.max_len))
+            for j, p in enumerate(self.calibrator.calibrate_all(c.confidence[:n])):
+                survival *= p
                 if survival <= 0.0:
                     break
                 slots.append((-survival, i, j))

@@ -48,46 +48,44 @@ def verify(
         raise ValueError(f"{logits.shape[0]} logits rows for drafts of lengths {counts}")
     starts = [0, *accumulate(counts)][:-1]
     num_rows, vocab, device = logits.shape[0], logits.shape[1], logits.device
-    # rows decided against a draft distribution; the others are drawn by sample()
+    # sequences decided against a draft distribution; sample() draws every other row
     q_seqs = [
         i
         for i, (d, q, p) in enumerate(zip(drafts, draft_probs, sampling.params))
         if d and q is not None and not p.greedy
     ]
-    q_rows = [starts[i] + j for i in q_seqs for j in range(len(drafts[i]))]
-    q_set = set(q_seqs)
-    emit = [0] * num_rows  # the token a row emits when its sequence stops there
-    accepted = [False] * num_rows  # whether a draft row accepts its draft
-    if q_rows:
-        q_emit, q_accept = _reject(logits, q_seqs, starts, drafts, draft_probs, sampling, generator)
-        for r, t, a in zip(q_rows, q_emit, q_accept):
-            emit[r], accepted[r] = t, a
+    q_out = _reject(logits, q_seqs, starts, drafts, draft_probs, sampling, generator)
+    decided = dict(zip(q_seqs, q_out))
+    emit = [0] * num_rows  # the token sample() drew at a row
     if num_rows == len(drafts):  # nothing drafted: sample() over the batch as it is
-        s_rows = list(range(num_rows))
-        s_tokens = sample(logits, sampling, generator).tokens.tolist()
+        emit = sample(logits, sampling, generator).tokens.tolist()
     else:
-        decided = set(q_rows)
         s_rows, s_params, s_indices = [], [], []
         for i, (start, n) in enumerate(zip(starts, counts)):
-            for j in range(n):
-                if start + j not in decided:
-                    s_rows.append(start + j)
-                    s_params.append(sampling.params[i])
-                    s_indices.append(sampling.sample_indices[i] + j)
-        sb = SamplingBatch.build(s_params, s_indices, vocab).to(device)
-        index = torch.tensor(s_rows, dtype=torch.long, device=device)
-        s_tokens = sample(logits[index], sb, generator).tokens.tolist()
-    for r, t in zip(s_rows, s_tokens):
-        emit[r] = t
+            # a sequence decided by rejection needs its bonus row only if it took every draft
+            first = 0 if i not in decided else n - 1 if decided[i][1] is None else n
+            for j in range(first, n):
+                s_rows.append(start + j)
+                s_params.append(sampling.params[i])
+                s_indices.append(sampling.sample_indices[i] + j)
+        if s_rows:
+            sb = SamplingBatch.build(s_params, s_indices, vocab).to(device)
+            s_logits = logits
+            if len(s_rows) < num_rows:
+                s_logits = logits[torch.tensor(s_rows, dtype=torch.long, device=device)]
+            for r, t in zip(s_rows, sample(s_logits, sb, generator).tokens.tolist()):
+                emit[r] = t
     tokens: list[list[int]] = []
     for i, (draft, start) in enumerate(zip(drafts, starts)):
+        if i in decided:
+            n, residual = decided[i]
+            tokens.append(draft + [emit[start + n]] if residual is None else draft[:n] + [residual])
+            continue
         out = []
         for j, d in enumerate(draft):
-            r = start + j
-            if not (accepted[r] if i in q_set else emit[r] == d):
-                out.append(emit[r])
+            out.append(emit[start + j])
+            if emit[start + j] != d:
                 break
-            out.append(d)
         else:
             out.append(emit[start + len(draft)])
         tokens.append(out)
@@ -106,25 +104,50 @@ def _reject(
     draft_probs: list[torch.Tensor | None],
     sampling: SamplingBatch,
     generator: torch.Generator | None,
-) -> tuple[list[int], list[bool]]:
-    """The draft rows of `seqs` (sampled, with draft distributions), in order: per row the
-    residual draw it emits on a rejection, and whether it accepts its draft."""
+) -> list[tuple[int, int | None]]:
+    """Rejection sampling of the drafts of `seqs` (sampled, with draft distributions): per
+    sequence, how many drafts it accepts and, if it rejects one, the residual draw there."""
+    if not seqs:
+        return []
     device, vocab = logits.device, logits.shape[1]
+    qs = [_draft_dist(draft_probs[i], len(drafts[i]), vocab) for i in seqs]
     rows = [starts[i] + j for i in seqs for j in range(len(drafts[i]))]
     params = [sampling.params[i] for i in seqs for _ in drafts[i]]
     indices = [sampling.sample_indices[i] + j for i in seqs for j in range(len(drafts[i]))]
     index = torch.tensor(rows, dtype=torch.long, device=device)
     p = warped_probs(logits[index], SamplingBatch.build(params, indices, vocab).to(device))
-    q = torch.cat([_draft_dist(draft_probs[i], len(drafts[i]), vocab) for i in seqs])
-    q = q.to(device=device, dtype=p.dtype)
     d = torch.tensor([t for i in seqs for t in drafts[i]], dtype=torch.long, device=device)
-    pd, qd = p.gather(1, d[:, None]).squeeze(1), q.gather(1, d[:, None]).squeeze(1)
+    pd = p.gather(1, d[:, None]).squeeze(1)
+    qd = torch.cat(
+        [q.gather(1, torch.tensor(drafts[i], device=q.device)[:, None]) for i, q in zip(seqs, qs)]
+    )
+    qd = qd.squeeze(1).to(device=device, dtype=p.dtype)
     u = _uniforms(params, indices, generator, device)
-    accept = u[:, 0] * qd < pd  # u < p(d) / q(d) without dividing by a q(d) of 0
-    residual = (p - q).clamp_min_(0.0)
-    # p == q up to rounding: a rejection is (nearly) impossible, and p is its limit
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    return _inverse_cdf(residual, u[:, 1]).tolist(), accept.tolist()
+    accept = (u[:, 0] * qd < pd).tolist()  # u < p(d) / q(d) without dividing by a q(d) of 0
+    out: list[tuple[int, int | None]] = []
+    rejected: list[int] = []  # the first rejected row of each sequence that rejects one
+    q_rejected: list[torch.Tensor] = []
+    offset = 0
+    for i, q in zip(seqs, qs):
+        n = len(drafts[i])
+        taken = accept[offset : offset + n]
+        num = taken.index(False) if False in taken else n
+        out.append((num, None))
+        if num < n:
+            rejected.append(offset + num)
+            q_rejected.append(q[num])
+        offset += n
+    if rejected:
+        at = torch.tensor(rejected, dtype=torch.long, device=device)
+        p_at = p[at]
+        residual = (p_at - torch.stack(q_rejected).to(device=device, dtype=p.dtype)).clamp_min_(0)
+        # p == q up to rounding: a rejection is (nearly) impossible, and p is its limit
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+        drawn = iter(_inverse_cdf(residual, u[at, 1]).tolist())
+        out = [
+            (num, None if num == len(drafts[i]) else next(drawn)) for (num, _), i in zip(out, seqs)
+        ]
+    return out
 
 
 def _draft_dist(q: torch.Tensor | None, n: int, vocab: int) -> torch.Tensor:
