@@ -60,6 +60,8 @@ class EngineConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 5
     spec_policy: str = "adaptive"
+    # layer-skip drafting: the target's first layers that draft (0: half of them)
+    draft_layers: int = 0
 
 
 def _env_flag(name: str) -> bool:

@@ -15,7 +15,7 @@ from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.paths import compile_cache_dir
-from daemon.build.startup import failing_as
+from daemon.build.startup import StartupError, failing_as
 from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
 from daemon.kv.manager import KVBudgetTooSmall, KVManager, pool_sizes
@@ -33,6 +33,7 @@ from daemon.loop.spec.policy import build_policy
 from daemon.loop.spec.speculator import Speculator
 from daemon.loop.spec.stats import SpecStats
 from daemon.loop.spec_profile import profile
+from daemon.models.base import EarlyExitModel, Model
 from daemon.models.gguf_checkpoint.reader import find_gguf
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
 from daemon.models.rope import UnsupportedRope
@@ -72,6 +73,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     overlap = resolve_overlap(cfg, device, cpu_threads)
     # before the runner: it takes the listener, and EP drops others' experts before the KV cache
     moe = moe_controller(cfg, model, device)
+    draft_layers = _draft_layers(cfg, model) if cfg.speculative == "layer-skip" else 0
     runner = ModelRunner(
         model,
         groups,
@@ -83,6 +85,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         decode_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
         after_forward=forward_listener(moe),
         spec_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
+        draft_layers=draft_layers,
     )
     runner.warm_up()
     # the tier moves' queue takes the demotions of the blocks the KV manager reuses
@@ -132,8 +135,23 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         kv_store=str(prefix.store.dir) if prefix and prefix.store else None,
         speculative=cfg.speculative,
         spec_policy=cfg.spec_policy if cfg.speculative else None,
+        draft_layers=draft_layers or None,
     )
     return engine, name
+
+
+def _draft_layers(cfg: EngineConfig, model: Model) -> int:
+    """The layers that draft with `--speculative layer-skip`: the configured count, or half the
+    model's."""
+    if not isinstance(model, EarlyExitModel):
+        raise StartupError(
+            "speculative layer-skip: this model cannot draft from its own first layers (dense "
+            "models can; DeepSeek-V4's per-request state would be changed by partial forwards)"
+        )
+    n = cfg.draft_layers or max(1, model.num_layers // 2)
+    if n > model.num_layers:
+        raise StartupError(f"draft_layers {n}: the model has {model.num_layers} layers")
+    return n
 
 
 def _speculator(cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> Speculator:

@@ -38,6 +38,7 @@ from daemon.loop.request import (
 )
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
+from daemon.loop.spec.layerskip import EarlyDraft, LayerSkipDrafter
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -403,6 +404,7 @@ class Engine:
                 tokens[:0] = accepted
                 logprobs[:0] = result.accepted_logprobs[sample]
                 self._verified(seq, len(accepted), result.rolled_back[sample])
+            drafted = result.drafts[sample] if result.drafts else None
             sample += 1
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
@@ -417,7 +419,15 @@ class Engine:
             self.outputs.emit(req, tokens[:n], logprobs[:n], finish)
             if finish is not None:
                 self._finish(req, finish)
+            elif drafted is not None:
+                self._drafted(req, drafted)
         self._wakeup.set()
+
+    def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
+        """Drafts the runner made after this step's token (layer skipping), for the drafter."""
+        spec = self.scheduler.speculator
+        if spec is not None and isinstance(spec.drafter, LayerSkipDrafter):
+            spec.drafter.receive(req, drafted)
 
     def _verified(self, seq: ScheduledSeq, accepted: int, rolled_back: int | None) -> None:
         """A verify step's bookkeeping (the scheduler's) and its outcome (the speculator's)."""

@@ -11,6 +11,9 @@ paged blocks (dense) gets those rows as one-token decodes (a row attends to the 
 to its own, whose KV the step writes first), batched with the others; a cache with
 per-request state (DeepSeek-V4) is snapshotted before the forward and restored after a
 rejection, and the request recomputes from the snapshot's position.
+
+With layer skipping (`draft_layers`), the sequences the scheduler marks draft at the end of the
+step, on this thread (loop/early_exit.py); their drafts travel back in the StepResult.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup, SlidingWindowSpec
 from daemon.kv.tier_ops import CacheOps, RestoreOp
 from daemon.loop.constraint import Constraint, allocate_bitmask, apply_bitmask
+from daemon.loop.early_exit import Drafted, DraftRows, draft_passes
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -39,10 +43,12 @@ from daemon.loop.sampler import (
     target_logprobs,
 )
 from daemon.loop.scheduler import ScheduledSeq, SchedulerStep
+from daemon.loop.spec.layerskip import EarlyDraft
 from daemon.loop.spec.rejection import verify
 from daemon.models.base import (
     AttentionMetadata,
     DecodeGraphs,
+    EarlyExitModel,
     Model,
     ModelCache,
     RequestState,
@@ -143,6 +149,7 @@ class PreparedStep:
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
     verify: VerifyRows | None = None  # sequences with drafts (None: none)
     num_samples: int = 0  # sampling sequences, with drafts or not
+    drafting: DraftRows | None = None  # sequences that draft at the end (layer skipping)
 
 
 @dataclass
@@ -166,6 +173,9 @@ class StepResult:
     accepted: list[list[int]] = field(default_factory=list)
     accepted_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     rolled_back: list[int | None] = field(default_factory=list)
+    # per sampling sequence (empty: none drafted): the drafts made after its token on the
+    # device (layer skipping), None for a sequence that made none
+    drafts: list[EarlyDraft | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -181,11 +191,16 @@ class ModelRunner:
         decode_graphs: bool = False,
         after_forward: Callable[[], None] | None = None,
         spec_tokens: int = 0,
+        draft_layers: int = 0,
     ) -> None:
         """`decode_graphs`: ask the model for its decode graphs (CUDA graphs on cuda, a
         compiled forward on a CPU; a model may have none). `after_forward`: called on the
         device thread after each forward (the MoE load statistics). `spec_tokens`: the most
-        drafts a request verifies in a step (0: no speculative decoding)."""
+        drafts a request verifies in a step (0: no speculative decoding). `draft_layers`: layer
+        skipping drafts through the model's first this many layers (0: it does not)."""
+        if draft_layers and not isinstance(model, EarlyExitModel):
+            raise ValueError("layer skipping needs a model that can exit early (EarlyExitModel)")
+        self.draft_layers = draft_layers
         self.model = model
         self.device = device
         # draft rows as one-token decodes: only where a request's whole state is paged
@@ -264,6 +279,7 @@ class ModelRunner:
         prompt_targets: list[int] = []
         prompt_spans: list[PromptSpan] = []
         verify = _VerifyBuilder()
+        drafting = DraftRows()
         num_samples = 0
 
         for i, seq in enumerate(step.seqs):
@@ -312,6 +328,17 @@ class ModelRunner:
                     bias_rows.extend([row] * len(bias))
                     bias_ids.extend(bias.keys())
                     bias_values.extend(bias.values())
+            if seq.draft_after:
+                drafting.add(
+                    num_samples,
+                    req.slot,
+                    seq.draft_after,
+                    end - d,
+                    len(verify.seqs) if d else None,
+                    [list(t) for t in tables],
+                    req.params,
+                    seq.sample_index + 1,
+                )
             if d:
                 probs = seq.proposal.probs if seq.proposal is not None else None
                 verify.add(num_samples, rows, seq, [list(t) for t in tables])
@@ -370,6 +397,7 @@ class ModelRunner:
             restores=restores,
             verify=verify.build(self.vocab_size),
             num_samples=num_samples,
+            drafting=drafting if drafting.slots and self.draft_layers else None,
         )
 
     # ---- device side (worker thread) -------------------------------------------------------
@@ -406,17 +434,19 @@ class ModelRunner:
         """Run one step; `launched` is called once all of its work is queued on the device,
         before this thread blocks on it (on a CPU: once it is done)."""
         if self.stream is None:
-            result, prompt, verified = self._execute(step)
+            result, prompt, verified, drafted = self._execute(step)
             if launched is not None:
                 launched()
-            return self._to_host(result, prompt, verified, step)
+            return self._to_host(result, prompt, verified, step, drafted)
         # Accelerators: launch on our stream, copy the few result values to the
         # host asynchronously and block this worker thread (not the event loop) on an event.
         with self.device_module.stream(self.stream):
-            result, prompt, verified = self._execute(step)
+            result, prompt, verified, drafted = self._execute(step)
             result, prompt = _to_cpu(result), _to_cpu(prompt)
             if verified is not None:
                 verified.logprobs = _to_cpu(verified.logprobs)
+            if drafted is not None:
+                drafted.to_host_async()
             if result is not None or prompt is not None or verified is not None:
                 done = self.device_module.Event()
                 done.record(self.stream)
@@ -425,11 +455,11 @@ class ModelRunner:
         if result is None and prompt is None and verified is None:
             return StepResult([], [])
         done.synchronize()
-        return self._to_host(result, prompt, verified, step)
+        return self._to_host(result, prompt, verified, step, drafted)
 
     def _execute(
         self, step: PreparedStep
-    ) -> tuple[SampleResult | None, TargetLogprobs | None, Verified | None]:
+    ) -> tuple[SampleResult | None, TargetLogprobs | None, Verified | None, Drafted | None]:
         dev = self.device
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
@@ -456,7 +486,7 @@ class ModelRunner:
             self.penalties[slot] = PenaltyState.create(prompt, outputs, self.vocab_size, dev)
         prompt = self._prompt_logprobs(hidden, step) if step.prompt_spans else None
         if step.num_samples == 0:
-            return None, prompt, None
+            return None, prompt, None, None
         logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
         sb = step.sampling.to(dev) if step.sampling is not None else None
         wants_logprobs = (sb is not None and sb.max_logprobs is not None) or (
@@ -472,7 +502,23 @@ class ModelRunner:
             apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
         result = self._sample(logits, raw, sb, step) if sb is not None else None
         verified = self._verify(logits, raw, vr, snapshots) if vr is not None else None
-        return result, prompt, verified
+        drafted = self._draft(step.drafting, verified) if step.drafting is not None else None
+        return result, prompt, verified, drafted
+
+    def _draft(self, rows: DraftRows, verified: Verified | None) -> Drafted:
+        """Layer skipping: the marked sequences' drafts after the tokens this step sampled."""
+        accepted = [len(t) - 1 for t in verified.tokens] if verified is not None else []
+        model = cast(EarlyExitModel, self.model)
+        return draft_passes(
+            model,
+            self.cache,
+            self.draft_layers,
+            rows,
+            self.last_tokens,
+            accepted,
+            self.generator,
+            self.vocab_size,
+        )
 
     def _sample(
         self, logits: torch.Tensor, raw: torch.Tensor, sb: SamplingBatch, step: PreparedStep
@@ -546,10 +592,15 @@ class ModelRunner:
         prompt: TargetLogprobs | None,
         verified: Verified | None,
         step: PreparedStep,
+        drafted: Drafted | None = None,
     ) -> StepResult:
         out = StepResult([], []) if result is None else self._sampled(result, step.sampling)
         if verified is not None:
             out = _merge(out, verified, step.verify)
+        if drafted is not None:
+            out.drafts = [None] * step.num_samples
+            for i, early in zip(drafted.rows.samples, drafted.host()):
+                out.drafts[i] = early
         if prompt is not None:
             out.prompt_logprobs = _prompt_entries(prompt, step)
         return out

@@ -18,6 +18,7 @@ from daemon.kv.prefix import PrefixCache
 from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.spec.base import Draft
+from daemon.loop.spec.layerskip import LayerSkipDrafter
 from daemon.loop.spec.speculator import Speculator
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,9 @@ class ScheduledSeq:
     # samples at each of its last len(draft) + 1 rows
     draft: list[int] = field(default_factory=list)
     proposal: Draft | None = None  # the draft as the drafter proposed it (with `draft`)
+    # layer skipping: drafts the runner makes at the end of the step, after the token it
+    # samples (its KV blocks cover their positions)
+    draft_after: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -147,6 +151,8 @@ class Scheduler:
             return SchedulerStep([], reads) if reads else None
         if self.speculator is not None and budget > 0:
             self._draft(self.speculator, scheduled, budget)
+        if self.speculator is not None and isinstance(self.speculator.drafter, LayerSkipDrafter):
+            self._mark_drafting(self.speculator.k, scheduled)
         scheduled.sort(key=lambda s: s.order)
         return SchedulerStep(scheduled, reads)
 
@@ -176,6 +182,25 @@ class Scheduler:
             budget -= n
             chosen += n
         spec.stats.on_budget(chosen)
+
+    def _mark_drafting(self, k: int, scheduled: list[ScheduledSeq]) -> None:
+        """Layer skipping: mark the sequences the runner drafts for at the end of this step,
+        those whose next decode takes drafts (`_takes_drafts`: under overlap it is then held
+        back for them), and grow their KV over the draft positions (the passes write the draft
+        layers' KV there; the verify overwrites it at every layer). A sequence not marked gives
+        back what an earlier mark left it beyond its computed positions."""
+        for seq in scheduled:
+            req = seq.request
+            n = 0
+            takes = _takes_drafts(req.decodes_without_drafts)
+            if takes and seq.samples and not seq.replay and _may_draft(req):
+                # the next step samples one token: drafts for those after it
+                n = max(0, min(k, req.params.max_tokens - req.num_sampled_scheduled - 1))
+            if n > 0 and not self.kv.grow(req.request_id, req.num_computed + n):
+                n = 0
+            seq.draft_after = n
+            if n == 0:
+                self.kv.shrink(req.request_id, req.num_computed)
 
     def _held_for_drafts(self, req: Request) -> bool:
         """With overlap: a decode whose last token is still on the device cannot be drafted
@@ -328,3 +353,11 @@ def _may_draft(req: Request) -> bool:
     along the draft)."""
     p = req.params
     return not p.has_penalties and p.constraint is None
+
+
+def _takes_drafts(decodes_without_drafts: int) -> bool:
+    """Whether a request that many decodes without verified drafts takes drafts at its next
+    decode: while they are verified, then after PROBE_EVERY decodes without, twice as many,
+    and so on (the decodes `_held_for_drafts` holds back for them under overlap)."""
+    n = decodes_without_drafts
+    return n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0)

@@ -45,10 +45,15 @@ def profile(
     """Time steps over 1, 4, 16, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
     (a few points: a decode and its drafts, verified; none past `max_num_batched_tokens`, which
     no step exceeds), and a prefill-sized step of each batch size (decodes and one chunk making
-    `max_num_batched_tokens`): host preparation included, as the engine runs a step. The synthetic drafts are all rejected: their snapshot and
-    restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each point
-    is the median of up to `repeats` runs after an untimed one, fewer once the point has taken
-    `point_seconds` (a first run that long is its own measurement); each row is then made
+    `max_num_batched_tokens`): host preparation included, as the engine runs a step. With
+    layer skipping (`runner.draft_layers`) every verify point also makes `k` drafts per
+    sequence at its end, as a sequence that verifies drafts does in the engine (one that
+    verifies none stops drafting): the drafting cost is in the table's verify points, so
+    choosing any draft for a sequence is charged its passes, spread over its first drafts'
+    tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
+    and restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each
+    point is the median of up to `repeats` runs after an untimed one, fewer once the point has
+    taken `point_seconds` (a first run that long is its own measurement); each row is then made
     non-decreasing in tokens, against the noise of a shared machine. Must run before any
     request: the synthetic sequences take blocks from `kv` and write them, and give them back
     after. Batch sizes whose sequences the KV pool cannot hold are left out (the table
@@ -61,14 +66,15 @@ def profile(
         for i in range(max_num_seqs)
     ]
     try:
-        points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k)
+        drafts = k if runner.draft_layers else 0
+        points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k, drafts)
         if not points:
             raise ValueError(f"the KV pool holds no sequence of {CONTEXT + k + 1} positions")
         fitted = max(p.num_seqs for p in points)
         rollback = _rollback_seconds(runner, kv, reqs[: min(8, fitted)], repeats)
         rows: dict[int, tuple[list[int], list[float]]] = {}
         for point in tqdm(points, desc="profiling step costs", unit="point", leave=False):
-            step = _step(reqs, point, runner.vocab_size)
+            step = _step(reqs, point, runner.vocab_size, drafts)
             seconds = _time(runner, kv, step, repeats, point_seconds)
             tokens, measured = rows.setdefault(point.num_seqs, ([], []))
             if point.per_seq > 1:  # the rollback term is apart: every draft here is rejected
@@ -128,17 +134,23 @@ def _non_decreasing(values: list[float]) -> list[float]:
 
 
 def _plan(
-    kv: KVManager, reqs: list[Request], max_num_seqs: int, max_num_batched_tokens: int, k: int
+    kv: KVManager,
+    reqs: list[Request],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    k: int,
+    drafts: int = 0,
 ) -> list[_Point]:
-    """The grid, by batch size and then tokens, with every block it needs taken from `kv` now:
-    the decode / verify rows of every batch size that fits first, then the prefill chunk."""
+    """The grid, by batch size and then tokens, with every block it needs taken from `kv` now
+    (`drafts`: positions past the verify rows that layer-skip passes write): the decode / verify
+    rows of every batch size that fits first, then the prefill chunk."""
     per_seq = sorted({1, 2, k // 2 + 1, k + 1})
     seq_counts = sorted({min(4**e, max_num_seqs) for e in range(max_num_seqs.bit_length())})
     fitted = []
     for s in seq_counts:
         if s > max_num_batched_tokens:
             break  # no step has that many decodes
-        if not all(kv.grow(r.request_id, CONTEXT + k + 1) for r in reqs[:s]):
+        if not all(kv.grow(r.request_id, CONTEXT + k + 1 + drafts) for r in reqs[:s]):
             break
         fitted.append(s)
     # the prefill chunk is always the first sequence's: one long table serves every row
@@ -153,10 +165,11 @@ def _plan(
     return points
 
 
-def _step(reqs: list[Request], point: _Point, vocab_size: int) -> SchedulerStep:
+def _step(reqs: list[Request], point: _Point, vocab_size: int, drafts: int = 0) -> SchedulerStep:
     """Decodes (1 token each) or decodes with `per_seq` - 1 drafts after CONTEXT computed
-    positions; a prefill-sized point: decodes and one prefill chunk from position 0 making
-    `num_tokens`. Every input token is known, as sampled tokens would be."""
+    positions, each verify also drafting `drafts` at its end; a prefill-sized point: decodes
+    and one prefill chunk from position 0 making `num_tokens`. Every input token is known, as
+    sampled tokens would be."""
     seqs = []
     for i, req in enumerate(reqs[: point.num_seqs]):
         prefill = point.per_seq == 0 and i == 0
@@ -165,7 +178,8 @@ def _step(reqs: list[Request], point: _Point, vocab_size: int) -> SchedulerStep:
         req.prompt_ids = [(31 * p + i) % vocab_size for p in range(start + n)]
         req.slot = i
         draft = req.prompt_ids[start + 1 :] if not prefill else []
-        seqs.append(ScheduledSeq(req, start, n, True, 0, draft=draft))
+        after = drafts if point.per_seq > 1 else 0
+        seqs.append(ScheduledSeq(req, start, n, True, 0, draft=draft, draft_after=after))
     seqs.sort(key=lambda s: s.order)
     return SchedulerStep(seqs)
 

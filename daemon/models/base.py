@@ -4,7 +4,7 @@ the per-request state operations on that cache (rollback, transfer), as typed co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -185,4 +185,27 @@ class Model(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] of the forward's rows `hidden` (chosen rows only)."""
+        ...
+
+
+@runtime_checkable
+class EarlyExitModel(Protocol):
+    """An optional capability of a `Model`: a forward through its first layers only, for drafts
+    from the model itself (layer skipping). It writes the KV of those layers alone, so it suits
+    a model whose whole state is in paged blocks (dense): a full forward over the same
+    positions overwrites them. A model with per-request state (DeepSeek-V4) has none."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        cache: ModelCache,
+        num_layers: int,
+    ) -> torch.Tensor:
+        """The hidden rows after the first `num_layers` layers and the final norm (so that
+        `compute_logits` applies); writes those layers' KV at `positions`."""
         ...

@@ -169,6 +169,10 @@ class DenseForCausalLM(nn.Module):
     def max_model_len(self) -> int:
         return self.cfg.max_position_embeddings
 
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
     def kv_groups(self, dtype: torch.dtype, block_size: int) -> list[KVGroup]:
         spec = FullAttentionSpec(
             block_size, self.cfg.num_layers, dtype, self.cfg.num_kv_heads, self.cfg.head_dim
@@ -198,8 +202,20 @@ class DenseForCausalLM(nn.Module):
         batch: AttentionBatch,
         cache: PagedKVCache,
     ) -> torch.Tensor:
+        return self.forward_layers(input_ids, positions, batch, cache, self.cfg.num_layers)
+
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        cache: PagedKVCache,
+        num_layers: int,
+    ) -> torch.Tensor:
+        """The first `num_layers` layers, then the final norm (layer skipping drafts from these
+        rows through `compute_logits`)."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, cache.layers):
+        for layer, kv in zip(self.layers[:num_layers], cache.layers):
             x = layer(x, positions, batch, kv)
         return self.norm(x)
 

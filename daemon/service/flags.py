@@ -225,7 +225,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         choices=tuple(DRAFTERS),
         help="draft tokens and verify them in the batch (default: off): ngram looks the "
-        "request's last tokens up in its prompt and output, suffix also in recent requests",
+        "request's last tokens up in its prompt and output, suffix also in recent requests, "
+        "layer-skip runs the model's own first layers (dense models)",
     )
     s.add_argument(
         "--num-speculative-tokens",
@@ -233,6 +234,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         help="the most drafts a request verifies in a step (default "
         f"{_default(EngineConfig, 'num_speculative_tokens')})",
+    )
+    s.add_argument(
+        "--draft-layers",
+        type=int,
+        default=S,
+        help="layer-skip: the model's first layers that draft (default: half of them)",
     )
     s.add_argument(
         "--spec-policy",

@@ -187,6 +187,8 @@ def check(s: Settings) -> None:
     _choice("engine.spec_policy", e.spec_policy, SPEC_POLICIES)
     if e.num_speculative_tokens < 1:
         raise ConfigError("engine.num_speculative_tokens", "must be at least 1")
+    if e.draft_layers < 0:
+        raise ConfigError("engine.draft_layers", "must be >= 0 (0: half the model's layers)")
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from daemon.loop.spec.base import Drafter
+from daemon.loop.spec.layerskip import LayerSkipDrafter
 from daemon.loop.spec.ngram import NgramDrafter
 from daemon.loop.spec.suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[[int], Drafter]] = {
     "ngram": lambda k: NgramDrafter(),
     "suffix": lambda k: SuffixDrafter(),
+    # the target's first layers, on the device (the runner drafts: build_engine's draft_layers)
+    "layer-skip": lambda k: LayerSkipDrafter(),
 }
 
 

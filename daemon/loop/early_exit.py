@@ -1,0 +1,155 @@
+"""Layer-skip draft passes on the device thread: after a step, one-token passes through the
+target's first layers (its final norm and lm_head after), batched over the sequences the
+scheduler marked, from the token each sampled; greedy rows take the argmax, sampled rows draw
+from the draft distribution and keep it (for lossless rejection sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from daemon.loop.request import SamplingParams
+from daemon.loop.sampler import SamplingBatch, row_generator, warped_probs
+from daemon.loop.spec.base import Draft
+from daemon.loop.spec.layerskip import EarlyDraft
+from daemon.models.base import EarlyExitModel, ModelCache, SeqSlice
+
+# a seeded row's draft draws come from the streams of (seed, output index + this): apart from
+# the target's own, which decide acceptance
+DRAFT_STREAM = 1 << 40
+
+
+@dataclass
+class DraftRows:
+    """The sequences of a step that draft at its end (built on the host by the runner)."""
+
+    samples: list[int] = field(default_factory=list)  # index among the step's sampling seqs
+    slots: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # drafts to make
+    # the position of the token the step samples, before the drafts a verify row accepts
+    bases: list[int] = field(default_factory=list)
+    verify: list[int | None] = field(default_factory=list)  # index among the verify seqs
+    tables: list[list[list[int]]] = field(default_factory=list)
+    params: list[SamplingParams] = field(default_factory=list)
+    # the output index of the first draft, before the drafts a verify row accepts
+    first_indices: list[int] = field(default_factory=list)
+
+    def add(
+        self,
+        sample: int,
+        slot: int,
+        count: int,
+        base: int,
+        verify: int | None,
+        tables: list[list[int]],
+        params: SamplingParams,
+        first_index: int,
+    ) -> None:
+        self.samples.append(sample)
+        self.slots.append(slot)
+        self.counts.append(count)
+        self.bases.append(base)
+        self.verify.append(verify)
+        self.tables.append(tables)
+        self.params.append(params)
+        self.first_indices.append(first_index)
+
+
+@dataclass
+class Drafted:
+    """What the passes made: device tensors until `host` (after the step's sync)."""
+
+    rows: DraftRows
+    positions: list[int]  # of each sequence's sampled token
+    tokens: torch.Tensor  # [n, 1 + k]: the sampled token, then the drafts (unused entries 0)
+    confidence: torch.Tensor  # [n, k]
+    probs: list[torch.Tensor | None]  # per sequence [count, V] on the device (sampled rows)
+
+    def to_host_async(self) -> None:
+        self.tokens = self.tokens.to("cpu", non_blocking=True)
+        self.confidence = self.confidence.to("cpu", non_blocking=True)
+
+    def host(self) -> list[EarlyDraft]:
+        tokens, conf = self.tokens.tolist(), self.confidence.tolist()
+        out = []
+        for i, (n, pos) in enumerate(zip(self.rows.counts, self.positions)):
+            draft = Draft(tokens[i][1 : 1 + n], conf[i][:n], self.probs[i])
+            out.append(EarlyDraft(pos + 1, tokens[i][0], draft))
+        return out
+
+
+def draft_passes(
+    model: EarlyExitModel,
+    cache: ModelCache,
+    num_layers: int,
+    rows: DraftRows,
+    last_tokens: torch.Tensor,
+    accepted: list[int],
+    generator: torch.Generator,
+    vocab: int,
+) -> Drafted:
+    """Up to max(counts) passes of one token per sequence (fewer as counts run out); each writes
+    the KV of the first `num_layers` layers at its position, which the verify of these drafts
+    overwrites at every layer. `last_tokens`: the runner's, holding what the step sampled;
+    `accepted`: per verify sequence, the drafts it took."""
+    dev = last_tokens.device
+    n, k = len(rows.slots), max(rows.counts)
+    took = [accepted[v] if v is not None else 0 for v in rows.verify]
+    positions = [b + a for b, a in zip(rows.bases, took)]
+    first = [f + a for f, a in zip(rows.first_indices, took)]
+    tokens = torch.zeros(n, 1 + k, dtype=torch.long, device=dev)
+    tokens[:, 0] = last_tokens[torch.tensor(rows.slots, dtype=torch.long, device=dev)]
+    confidence = torch.zeros(n, k, dtype=torch.float32, device=dev)
+    sampled = [i for i, p in enumerate(rows.params) if not p.greedy]
+    probs = torch.zeros(len(sampled), k, vocab, device=dev) if sampled else None
+    at = {i: r for r, i in enumerate(sampled)}  # sequence -> its row of `probs`
+    for j in range(k):
+        act = [i for i in range(n) if rows.counts[i] > j]
+        index = torch.tensor(act, dtype=torch.long, device=dev)
+        slices = [SeqSlice(r, positions[i] + j, 1, rows.tables[i], True) for r, i in enumerate(act)]
+        pos = torch.tensor([positions[i] + j for i in act], dtype=torch.long)
+        attention = cache.build_attention(slices).to(dev)
+        hidden = model.forward_layers(
+            tokens[index, j], pos.to(dev, non_blocking=True), attention, cache, num_layers
+        )
+        logits = model.compute_logits(hidden)
+        params = [rows.params[i] for i in act]
+        sb = SamplingBatch.build(params, [first[i] + j for i in act], vocab).to(dev)
+        chosen = logits.argmax(dim=-1)
+        if sb.all_greedy:  # the confidence: the argmax's softmax probability
+            q = logits.softmax(dim=-1)
+        else:  # a greedy row's is its softmax too
+            q = warped_probs(logits, sb)
+            drawn = _draw(q, params, sb.sample_indices, generator)
+            chosen = torch.where(sb.greedy.to(dev), chosen, drawn)
+            rows_q = [r for r, i in enumerate(act) if i in at]
+            targets = torch.tensor([at[act[r]] for r in rows_q], dtype=torch.long, device=dev)
+            probs[targets, j] = q[torch.tensor(rows_q, dtype=torch.long, device=dev)]
+        tokens[index, j + 1] = chosen
+        confidence[index, j] = q.gather(1, chosen[:, None]).squeeze(1)
+    per_seq: list[torch.Tensor | None] = [
+        probs[at[i], : rows.counts[i]] if i in at and probs is not None else None for i in range(n)
+    ]
+    return Drafted(rows, positions, tokens, confidence, per_seq)
+
+
+def _draw(
+    q: torch.Tensor,
+    params: list[SamplingParams],
+    indices: list[int],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """A token per row from `q` by the inverse CDF; a seeded row's uniform from its draft
+    stream, so that its drafts do not depend on the batch."""
+    dev = q.device
+    u = torch.rand(q.shape[0], generator=generator, device=dev)
+    for row, (p, idx) in enumerate(zip(params, indices)):
+        if p.seed is not None and not p.greedy:
+            g = row_generator(p.seed, idx + DRAFT_STREAM, dev)
+            u[row] = torch.rand(1, generator=g, device=dev)[0]
+    cum = q.double().cumsum(-1)
+    picked = torch.searchsorted(cum, (u.double() * cum[:, -1])[:, None], right=True).squeeze(1)
+    # past the last token of positive mass only by rounding: take that one
+    last = q.shape[-1] - 1 - (q > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(picked, last)
