@@ -59,6 +59,9 @@ class VerifyAll:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.outcomes.append((verified, accepted))
 
+    def calibration(self) -> list[dict[str, float | int | None]]:
+        return []  # it keeps outcomes, not a calibrated map
+
 
 def speculate(engine: Engine, drafter: OracleDrafter, k: int = 5) -> Speculator:
     """Turn speculation on in a built engine, with `drafter` and VerifyAll."""
