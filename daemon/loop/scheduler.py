@@ -213,8 +213,7 @@ class Scheduler:
             return False
         if req.params.max_tokens - req.num_sampled_scheduled < 2:
             return False  # no draft could follow its next token
-        n = req.decodes_without_drafts
-        if n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0):
+        if _takes_drafts(req.decodes_without_drafts):
             return True
         req.decodes_without_drafts += 1
         return False
