@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.peers.report import MISSING_MPL
-from bench.peers.servers import ROOT, Server, ServerError, deepinfer_launch
+from bench.peers.servers import Server, ServerError, deepinfer_launch
 from bench.peers.workload import WorkloadError as ServeError
 from bench.peers.workload import run as bench_serve
 from bench.spec import counters, report, workloads
@@ -73,22 +71,6 @@ def arm_flags(plan: Plan, arm: str) -> list[str]:
         return flags + ["--num-speculative-tokens", str(plan.fixed_k), "--spec-policy", "fixed"]
     k = ["--num-speculative-tokens", str(plan.adaptive_k)] if plan.adaptive_k else []
     return flags + k + ["--spec-policy", "adaptive"]
-
-
-def spec_flags_supported() -> bool:
-    """Whether `deepinfer serve` of this checkout has issue 20's `--speculative`."""
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    }
-    help_text = subprocess.run(
-        [sys.executable, "-m", "daemon", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    ).stdout
-    return "--speculative" in help_text
 
 
 def build_requests(plan: Plan) -> tuple[dict[str, dict[int, Path]], Path, dict[str, Any]]:
@@ -289,13 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.build.demo import smollm2_dir
 
         a.model = smollm2_dir()
-    if set(a.arms) - {"none"} and not spec_flags_supported():
-        print(
-            "bench.spec_decode: `deepinfer serve` has no --speculative in this checkout; "
-            "only `--arms none` can run",
-            file=sys.stderr,
-        )
-        return 1
     out = a.out or cache_dir() / "spec" / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     plan = Plan(
         model=a.model,

@@ -14,7 +14,7 @@ import pytest
 
 from bench.spec import report, workloads
 from bench.spec.counters import SpecCounters, spec_samples
-from bench.spec_decode import main, spec_flags_supported
+from bench.spec_decode import main
 from tests.checkpoints import make_dense_checkpoint
 
 TEMPLATE = (
@@ -211,11 +211,9 @@ BIAS = json.dumps({"logit_bias": {"1000": 30, "2000": 30, "3000": 30}})
 
 
 def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The grid on a tiny model: every arm's server (the speculating ones where `deepinfer
-    serve` has --speculative), both workloads, two concurrencies; greedy, so every request's
-    answer has as many tokens with speculation as without."""
-    spec = spec_flags_supported()
-    arms = list(report.ARMS) if spec else ["none"]
+    """The grid on a tiny model: every arm's server, both workloads, two concurrencies;
+    greedy, so every request's answer has as many tokens with speculation as without."""
+    arms = list(report.ARMS)
     text = tmp_path / "prose.txt"
     text.write_text(PROSE)
     out = tmp_path / "run"
@@ -271,9 +269,6 @@ def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     names = [report.ARM_NAMES[a] for a in arms]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if not spec:
-        assert data["verdict"]["adaptive_vs_fixed_mean"] is None
-        pytest.skip("the speculating arms: `deepinfer serve` has no --speculative")
     for (w, arm, c), n in lengths.items():
         assert n == lengths[w, "none", c], (w, arm, c)
     fixed = [r["spec"] for r in data["runs"] if r["arm"] == "fixed"]
