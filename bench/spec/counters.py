@@ -10,6 +10,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from daemon.loop.spec.calibration import CalibrationBin as Bin
+
 # /metrics counters (daemon/loop/metrics.py), all counts since start
 PREFIX = "deepinfer:spec_decode_"
 TOTALS = {
@@ -21,25 +23,6 @@ TOTALS = {
 }
 BY_POSITION = {"verified": "num_verified_tokens_per_pos", "accepted": "num_accepted_tokens_per_pos"}
 BIN_FIELDS = ("trials", "accepted", "confidence_sum")
-
-
-@dataclass
-class Bin:
-    """One calibration bin: raw confidences in [lo, hi), positions tested there, accepted."""
-
-    lo: float
-    hi: float
-    trials: int = 0
-    accepted: int = 0
-    confidence_sum: float = 0.0
-
-    @property
-    def expected(self) -> float | None:
-        return self.confidence_sum / self.trials if self.trials else None
-
-    @property
-    def observed(self) -> float | None:
-        return self.accepted / self.trials if self.trials else None
 
 
 @dataclass
@@ -123,9 +106,7 @@ class SpecCounters:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["bins"] = [
-            asdict(b) | {"expected": b.expected, "observed": b.observed} for b in self.bins
-        ]
+        d["bins"] = [b.as_dict() for b in self.bins]
         d |= {
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,

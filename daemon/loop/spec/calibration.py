@@ -12,9 +12,9 @@ class CalibrationBin:
 
     lo: float
     hi: float
-    trials: int  # draft positions tested (accepted or rejected)
-    accepted: int
-    confidence_sum: float  # of the raw confidences tested
+    trials: int = 0  # draft positions tested (accepted or rejected)
+    accepted: int = 0
+    confidence_sum: float = 0.0  # of the raw confidences tested
 
     @property
     def expected(self) -> float | None:
