@@ -1,14 +1,15 @@
 """python -m bench.spec_decode [--concurrency 1 8 32 64 --repeats 2 --drafter ngram]: issue 20's
 measurement. Output tok/s of `deepinfer serve` (SmolLM2-135M-Instruct by default) with no
 speculation, `--speculative D --num-speculative-tokens 5 --spec-policy fixed` and `--speculative D
---spec-policy adaptive`, one server at a time, arms alternating within each repeat, medians; on
-two workloads of real text sent as chat requests: (a) editing / summarising passages of the
-project's prose, (b) open chat. The ratios against issue 20's targets, acceptance by position and
+--spec-policy adaptive`, a server per arm up together, each point's arms back to back in a
+rotating order, medians over repeats (fresh servers each); on two workloads of real text sent as
+chat requests: (a) editing / summarising passages of the project's prose, (b) open chat. The ratios against issue 20's targets, acceptance by position and
 the calibration table from the servers' counters; a markdown table, a JSON file, a PNG."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import signal
@@ -125,51 +126,72 @@ def run(plan: Plan) -> dict[str, Any]:
     started: list[dict[str, Any]] = []
     result: dict[str, Any] = {}
     for rep in range(plan.repeats):
-        for arm in plan.arms:
-            for r in _serve(plan, arm, rep, files, warm, started):
+        with contextlib.ExitStack() as stack:
+            servers = {arm: _start(plan, arm, rep, warm, started, stack) for arm in plan.arms}
+            for r in _points(plan, rep, files, servers):
                 runs.append(r)
                 _progress(r)
                 result = _write_result(plan, about, started, runs)
     return result
 
 
-def _serve(
+def arm_order(arms: list[str], rep: int, point: int) -> list[str]:
+    """The arms of one point in the order they run: rotated by point and repeat, so that no
+    arm always runs first (or last) after the machine's quiet or busy spells."""
+    shift = (rep + point) % len(arms)
+    return arms[shift:] + arms[:shift]
+
+
+def _start(
     plan: Plan,
     arm: str,
     rep: int,
-    files: dict[str, dict[int, Path]],
     warm: Path,
     started: list[dict[str, Any]],
-) -> Iterator[dict[str, Any]]:
-    """One server of `arm`: warmed up, then every workload at every concurrency, a run each,
-    with the counters it moved."""
+    stack: contextlib.ExitStack,
+) -> tuple[str, str]:
+    """One server of `arm`, ready (one start at a time: each profiles the machine) and warmed
+    up; stopped when `stack` closes. Its base URL and served name."""
     port = free_port()
     store = plan.out / f"kv-store-{arm}-r{rep}" if plan.kv_store else None
     flags = plan.server_args + arm_flags(plan, arm)
     spec = deepinfer_launch(plan.model, port, plan.dtype, flags, store)
-    with Server(spec, port, plan.out / f"{arm}-r{rep}.log") as server:
-        ready_s = server.wait_ready(plan.ready_timeout_s)
-        started.append(
-            {"arm": arm, "repeat": rep, "ready_s": ready_s, "pid": server.proc.pid, "flags": flags}
-        )
-        print(f"[{arm} r{rep}] ready in {ready_s:.1f} s: {server.base_url}", flush=True)
-        url, name = server.base_url, spec.served_name
-        if plan.warmup:
-            bench_serve(serve_args(plan, url, name, warm, plan.warmup, f"warmup-{arm}-r{rep}"))
-        for w in plan.workloads:
-            for conc in plan.concurrency:
-                label = f"{w}-{arm}-r{rep}-c{conc}"
-                before = counters.read(url)
-                data = bench_serve(serve_args(plan, url, name, files[w][conc], conc, label))
-                yield {
-                    "workload": w,
-                    "arm": arm,
-                    "concurrency": conc,
-                    "repeat": rep,
-                    "result_json": data["config"]["result_json"],
-                    "summary": data["summary"],
-                    "spec": counters.read(url).minus(before).to_json(),
-                }
+    server = stack.enter_context(Server(spec, port, plan.out / f"{arm}-r{rep}.log"))
+    ready_s = server.wait_ready(plan.ready_timeout_s)
+    started.append(
+        {"arm": arm, "repeat": rep, "ready_s": ready_s, "pid": server.proc.pid, "flags": flags}
+    )
+    print(f"[{arm} r{rep}] ready in {ready_s:.1f} s: {server.base_url}", flush=True)
+    if plan.warmup:
+        label = f"warmup-{arm}-r{rep}"
+        bench_serve(serve_args(plan, server.base_url, spec.served_name, warm, plan.warmup, label))
+    return server.base_url, spec.served_name
+
+
+def _points(
+    plan: Plan,
+    rep: int,
+    files: dict[str, dict[int, Path]],
+    servers: dict[str, tuple[str, str]],
+) -> Iterator[dict[str, Any]]:
+    """Every workload at every concurrency, each point's arms back to back (the other servers
+    idle meanwhile), a run each, with the counters it moved."""
+    grid = [(w, c) for w in plan.workloads for c in plan.concurrency]
+    for point, (w, conc) in enumerate(grid):
+        for arm in arm_order(plan.arms, rep, point):
+            url, name = servers[arm]
+            label = f"{w}-{arm}-r{rep}-c{conc}"
+            before = counters.read(url)
+            data = bench_serve(serve_args(plan, url, name, files[w][conc], conc, label))
+            yield {
+                "workload": w,
+                "arm": arm,
+                "concurrency": conc,
+                "repeat": rep,
+                "result_json": data["config"]["result_json"],
+                "summary": data["summary"],
+                "spec": counters.read(url).minus(before).to_json(),
+            }
 
 
 def _write_result(

@@ -14,7 +14,7 @@ import pytest
 
 from bench.spec import report, workloads
 from bench.spec.counters import SpecCounters, spec_samples
-from bench.spec_decode import main
+from bench.spec_decode import arm_order, main
 from tests.checkpoints import make_dense_checkpoint
 
 TEMPLATE = (
@@ -210,6 +210,15 @@ MAX_TOKENS = 24
 BIAS = json.dumps({"logit_bias": {"1000": 30, "2000": 30, "3000": 30}})
 
 
+def test_arm_order_rotates_by_point_and_repeat() -> None:
+    arms = ["none", "fixed", "adaptive"]
+    assert arm_order(arms, 0, 0) == arms
+    assert arm_order(arms, 0, 1) == ["fixed", "adaptive", "none"]
+    assert arm_order(arms, 1, 1) == ["adaptive", "none", "fixed"]
+    firsts = [arm_order(arms, r, p)[0] for r in range(2) for p in range(6)]
+    assert all(firsts.count(a) == 4 for a in arms)
+
+
 def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The grid on a tiny model: every arm's server, both workloads, two concurrencies;
     greedy, so every request's answer has as many tokens with speculation as without."""
@@ -227,8 +236,9 @@ def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     printed = capsys.readouterr().out
     assert rc == 0
     data = json.loads((out / "spec.json").read_text())
+    grid = [(w, c) for w in ("edit", "chat") for c in (1, 2)]
     assert [(r["arm"], r["workload"], r["concurrency"]) for r in data["runs"]] == [
-        (arm, w, c) for arm in arms for w in ("edit", "chat") for c in (1, 2)
+        (arm, w, c) for i, (w, c) in enumerate(grid) for arm in arm_order(arms, 0, i)
     ]
     assert [s["arm"] for s in data["started"]] == arms
     assert data["started"][0]["flags"] == [

@@ -22,7 +22,8 @@ TOTALS = {
     "budget_tokens": "budget_tokens",
 }
 BY_POSITION = {"verified": "num_verified_tokens_per_pos", "accepted": "num_accepted_tokens_per_pos"}
-BIN_FIELDS = ("trials", "accepted", "confidence_sum")
+BIN_FIELDS = ("trials", "accepted", "confidence_sum", "calibrated_sum")
+REQUIRED_BIN_FIELDS = ("lo", "hi", "trials", "accepted", "confidence_sum")
 
 
 @dataclass
@@ -73,7 +74,7 @@ class SpecCounters:
         out.verified = _add(self.verified, other.verified)
         out.accepted = _add(self.accepted, other.accepted)
         bins = {
-            (b.lo, b.hi): Bin(b.lo, b.hi, b.trials, b.accepted, b.confidence_sum) for b in self.bins
+            (b.lo, b.hi): Bin(b.lo, b.hi, *(getattr(b, f) for f in BIN_FIELDS)) for b in self.bins
         }
         for b in other.bins:
             mine = bins.setdefault((b.lo, b.hi), Bin(b.lo, b.hi))
@@ -121,7 +122,7 @@ class SpecCounters:
         for attr in TOTALS:
             setattr(c, attr, d[attr])
         c.verified, c.accepted = list(d["verified"]), list(d["accepted"])
-        c.bins = [Bin(b["lo"], b["hi"], *(b[f] for f in BIN_FIELDS)) for b in d["bins"]]
+        c.bins = [Bin(b["lo"], b["hi"], *(b.get(f, 0) for f in BIN_FIELDS)) for b in d["bins"]]
         return c
 
 
@@ -150,7 +151,8 @@ def spec_samples(text: str) -> dict[str, float]:
 
 def _bins(health: dict[str, Any]) -> list[Bin]:
     """The calibration table, where /health carries one: a list of bins under a key naming
-    calibration, each with lo, hi, trials, accepted, confidence_sum."""
+    calibration, each with lo, hi, trials, accepted, confidence_sum (and calibrated_sum, the
+    policy's expectation: 0 where a server does not report it)."""
     for key, value in health.items():
         if "calibration" not in key or not isinstance(value, list):
             continue
@@ -161,9 +163,10 @@ def _bins(health: dict[str, Any]) -> list[Bin]:
                 int(b["trials"]),
                 int(b["accepted"]),
                 float(b["confidence_sum"]),
+                float(b.get("calibrated_sum", 0.0)),
             )
             for b in value
-            if isinstance(b, dict) and all(k in b for k in ("lo", "hi", *BIN_FIELDS))
+            if isinstance(b, dict) and all(k in b for k in REQUIRED_BIN_FIELDS)
         ]
         if bins:
             return bins

@@ -169,20 +169,22 @@ def acceptance_table(sums: dict[tuple[str, str], SpecCounters]) -> str:
 
 def calibration_table(sums: dict[tuple[str, str], SpecCounters]) -> str:
     """Per (workload, arm) and confidence bin: positions tested, the drafter's mean raw
-    confidence there (expected) and the fraction accepted (observed)."""
+    confidence there (raw), the calibrated acceptance the policy expected of them (expected)
+    and the fraction accepted (observed)."""
     spec = {k: c for k, c in sums.items() if any(b.trials for b in c.bins)}
     if not spec:
         return "calibration: the servers reported no calibration bins in /health"
     lines = [
-        "| workload | arm | confidence | tested | expected | observed |",
-        "|---|---|---|---:|---:|---:|",
+        "| workload | arm | confidence | tested | raw | expected | observed |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     for (workload, arm), c in spec.items():
         for b in c.bins:
             if b.trials:
                 lines.append(
                     f"| {workload} | {ARM_NAMES.get(arm, arm)} | [{b.lo:.2f}, {b.hi:.2f}) | "
-                    f"{b.trials} | {_pct(b.expected)} | {_pct(b.observed)} |"
+                    f"{b.trials} | {_pct(b.expected)} | {_pct(b.calibrated)} | "
+                    f"{_pct(b.observed)} |"
                 )
     return "\n".join(lines)
 

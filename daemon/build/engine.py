@@ -98,7 +98,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
             max_model_len=max_model_len,
         )
     prefix = _prefix_cache(cfg, kv, queue, runner, hf_config, dtype) if queue else None
-    speculator = _speculator(cfg, runner, kv) if cfg.speculative else None
+    speculator = _speculator(cfg, runner, kv, overlap) if cfg.speculative else None
     scheduler = Scheduler(kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, prefix, speculator)
     eos = tokenizer.eos_token_ids if tokenizer else _config_eos(hf_config)
     executor = lockstep_executor(moe, model, runner)
@@ -154,16 +154,17 @@ def _draft_layers(cfg: EngineConfig, model: Model) -> int:
     return n
 
 
-def _speculator(cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> Speculator:
+def _speculator(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, overlap: bool) -> Speculator:
     """The drafter and the verify-length policy; the adaptive one weighs drafts against step
-    costs measured now, on this device, before any request (logged as a table)."""
+    costs measured now, on this device, before any request (logged as a table), and under
+    `overlap` against the step each verifying sequence sits out."""
     assert cfg.speculative is not None
     k = cfg.num_speculative_tokens
     cost = None
     if cfg.spec_policy == "adaptive":
         with failing_as("speculative decoding's step-cost profile", ValueError):
             cost = profile(runner, kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, k)
-    policy = build_policy(cfg.spec_policy, k, cost)
+    policy = build_policy(cfg.spec_policy, k, cost, overlap)
     stats = SpecStats(cfg.speculative, cfg.spec_policy)
     return Speculator(build_drafter(cfg.speculative, k), policy, k, stats)
 

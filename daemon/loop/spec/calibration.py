@@ -15,6 +15,9 @@ class CalibrationBin:
     trials: int = 0  # draft positions tested (accepted or rejected)
     accepted: int = 0
     confidence_sum: float = 0.0  # of the raw confidences tested
+    # of the calibrated acceptance each tested position had when it was observed (what the
+    # policy expected of it)
+    calibrated_sum: float = 0.0
 
     @property
     def expected(self) -> float | None:
@@ -22,11 +25,20 @@ class CalibrationBin:
         return self.confidence_sum / self.trials if self.trials else None
 
     @property
+    def calibrated(self) -> float | None:
+        """The mean calibrated acceptance of the positions tested (None: none yet)."""
+        return self.calibrated_sum / self.trials if self.trials else None
+
+    @property
     def observed(self) -> float | None:
         return self.accepted / self.trials if self.trials else None
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"expected": self.expected, "observed": self.observed}
+        return asdict(self) | {
+            "expected": self.expected,
+            "calibrated": self.calibrated,
+            "observed": self.observed,
+        }
 
 
 class Calibrator:
@@ -43,6 +55,7 @@ class Calibrator:
         self.trials = [0] * num_bins
         self.accepted = [0] * num_bins
         self.confidence_sum = [0.0] * num_bins
+        self.calibrated_sum = [0.0] * num_bins
 
     def _bin(self, confidence: float) -> int:
         return min(int(confidence * self.num_bins), self.num_bins - 1)
@@ -70,6 +83,7 @@ class Calibrator:
         for j in range(tested):
             c = min(max(confidence[j], 0.0), 1.0)
             b = self._bin(c)
+            self.calibrated_sum[b] += self.calibrate(c)
             self.trials[b] += 1
             self.accepted[b] += int(j < accepted)
             self.confidence_sum[b] += c
@@ -78,6 +92,8 @@ class Calibrator:
         """Every bin, expected (raw) vs observed acceptance: for the benchmark's report."""
         n = self.num_bins
         return [
-            CalibrationBin(b / n, (b + 1) / n, self.trials[b], self.accepted[b], s)
+            CalibrationBin(
+                b / n, (b + 1) / n, self.trials[b], self.accepted[b], s, self.calibrated_sum[b]
+            )
             for b, s in enumerate(self.confidence_sum)
         ]
