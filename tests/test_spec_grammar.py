@@ -6,21 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
+from openai import OpenAI
 
 from daemon.api.codecs.constraints import Constraints
+from daemon.api.http.config import ServerConfig
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.loop.constraint import GrammarConstraint
 from daemon.loop.engine import Engine
 from daemon.loop.request import RequestOutput, SamplingParams
 from daemon.models.tokenizer import TextTokenizer
+from daemon.service.live_server import LiveServer
 from tests.checkpoints import make_dense_checkpoint
 from tests.spec_doubles import OracleDrafter, speculate
 
@@ -187,3 +192,84 @@ async def test_ngram_drafter_with_grammar_and_penalties(checkpoint, grammars, pr
     assert drafted == reference
     assert stats["spec_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# bounded, so that noise (random weights) closes each value in a few tokens
+API_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "tag", "ok", "n"],
+    "additionalProperties": False,
+}
+# the prompt holds the answer's keys: a prompt lookup drafts them (and values, often wrong)
+EXAMPLE = '{"name": "bob", "tag": "red", "ok": true, "n": 7}'
+
+
+@pytest.fixture(scope="module")
+def chat_servers(tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer]]:
+    """A dense Llama with a chat template, served with `--speculative ngram` and without."""
+    path = make_dense_checkpoint(
+        tmp_path_factory.mktemp("llama-chat"), with_tokenizer=True, max_position_embeddings=2048
+    )
+    cfg_path = path / "tokenizer_config.json"
+    cfg_path.write_text(
+        json.dumps(json.loads(cfg_path.read_text()) | {"chat_template": CHAT_TEMPLATE})
+    )
+    base = EngineConfig(
+        model=str(path),
+        served_model_name="chat",
+        kv_cache_memory_gb=0.02,
+        max_num_seqs=8,
+        max_model_len=1024,
+        overlap=True,
+        block_size=4,
+    )
+    servers = [
+        LiveServer(cfg, ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1))
+        for cfg in (base, replace(base, speculative="ngram", spec_policy="fixed"))
+    ]
+    try:
+        for s in servers:
+            s.start()
+        yield servers[0], servers[1]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_json_schema_through_the_api_equals_no_speculation(chat_servers) -> None:
+    _, spec = chat_servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": API_SCHEMA}}
+    answers = []
+    for server in chat_servers:
+        client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+        answers.append(
+            [
+                client.chat.completions.create(
+                    model="chat",
+                    messages=[{"role": "user", "content": f"Like {EXAMPLE} {EXAMPLE} for {who}"}],
+                    response_format=fmt,
+                    max_tokens=80,
+                    **args,
+                )
+                for who in ("ann", "joe")
+                for args in (dict(temperature=0.0), dict(temperature=0.9, seed=5, n=2))
+            ]
+        )
+    texts = [[c.message.content for a in server for c in a.choices] for server in answers]
+    assert texts[1] == texts[0]
+    for text in texts[1]:
+        jsonschema.validate(json.loads(text), API_SCHEMA)
+    with urllib.request.urlopen(spec.url + "/health", timeout=10) as r:
+        health = json.loads(r.read())
+    assert health["spec_draft_tokens"] > 0 and health["spec_accepted_tokens"] > 0
+    assert health["kv_blocks_free"] == health["kv_blocks_total"]
