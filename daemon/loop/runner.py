@@ -10,7 +10,9 @@ rows; `rejection.verify` takes what the target agrees with. A model whose whole 
 paged blocks (dense) gets those rows as one-token decodes (a row attends to the positions up
 to its own, whose KV the step writes first), batched with the others; a cache with
 per-request state (DeepSeek-V4) is snapshotted before the forward and restored after a
-rejection, and the request recomputes from the snapshot's position.
+rejection, and the request recomputes from the snapshot's position. A grammar masks each
+verify row along the draft (cut, before the forward, at the first token it disallows);
+penalties count, at each verify row, the drafts before it; logit bias applies to every row.
 
 With layer skipping (`draft_layers`), the sequences the scheduler marks draft at the end of the
 step, on this thread (loop/early_exit.py); their drafts travel back in the StepResult.
