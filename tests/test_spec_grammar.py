@@ -157,6 +157,7 @@ async def test_penalties_greedy_equals_no_speculation(checkpoint, prompts):
     """Row j of a verify counts the drafts before it: repetition, frequency and presence."""
     p = penalised()
     _, drafter, _ = await drafted_equals_plain(checkpoint, prompts, [p, plain, p, p], 3, True)
+    assert tuple(prompts[0]) in drafter.asked  # the penalised requests speculate
     assert any(a < v for v, a in drafter.observed)  # some rejected
 
 
