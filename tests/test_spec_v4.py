@@ -111,7 +111,7 @@ async def test_greedy_equal_and_rollback_leaves_no_trace(checkpoint, prompts):
     finally:
         await engine.stop()
     assert drafted == plain
-    assert tuple(prompts[1]) not in drafter.asked
+    assert tuple(prompts[1]) in drafter.asked  # the penalised request speculates too
     assert any(a < v for v, a in drafter.observed) and any(a > 0 for _, a in drafter.observed)
     # rejections rolled the state back at positions all around the compression windows
     assert len({p % 4 for p in rolled}) == 4

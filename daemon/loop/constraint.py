@@ -1,5 +1,5 @@
 """Constrained decoding with xgrammar: a per-request grammar matcher that masks the logits of
-its row each step and is advanced with each sampled token."""
+its row each step (and its verify rows along a draft) and is advanced with each token taken."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ class Constraint(Protocol):
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into bitmask[row]; False when unconstrained now."""
+        ...
+
+    def fill_draft(
+        self, bitmask: torch.Tensor, row: int, draft: list[int]
+    ) -> tuple[int, list[int]]:
+        """Walk `draft`: into bitmask[row + j] the tokens allowed after draft[:j], for j up to
+        the first draft token disallowed (or len(draft)). Returns how many leading drafts are
+        allowed and the rows written (those where it constrains); its state is left as it was."""
         ...
 
     def accept(self, token: int) -> None: ...
@@ -36,11 +44,45 @@ class GrammarConstraint:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         return True
 
+    def fill_draft(
+        self, bitmask: torch.Tensor, row: int, draft: list[int]
+    ) -> tuple[int, list[int]]:
+        """The matcher steps along the draft as `accept` would, then rolls back as many steps."""
+        active, steps, rows = self.active, 0, []
+        allowed = len(draft)
+        try:
+            for j in range(len(draft) + 1):
+                governs = self.fill(bitmask, row + j)
+                if governs:
+                    rows.append(row + j)
+                if j == len(draft):
+                    break
+                token = draft[j]
+                if not governs:
+                    self.accept(token)  # free (before the trigger) or terminated: no step
+                    continue
+                if not _allowed(bitmask, row + j, token) or not self.matcher.accept_token(token):
+                    allowed = j
+                    break
+                steps += 1
+        finally:
+            if steps:
+                self.matcher.rollback(steps)
+            self.active = active
+        return allowed, rows
+
     def accept(self, token: int) -> None:
         if not self.active:
             self.active = token == self.trigger
         elif not self.matcher.is_terminated():
             self.matcher.accept_token(token)
+
+
+def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Whether bitmask[row] allows `token` (checked first: a matcher logs each token it rejects)."""
+    if token >> 5 >= bitmask.shape[1]:
+        return False
+    return bool(int(bitmask[row, token >> 5]) >> (token & 31) & 1)
 
 
 def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:

@@ -399,7 +399,7 @@ class Engine:
                 continue
             token, logprob = next(samples)
             tokens, logprobs = [token], [logprob] if logprob else []
-            if seq.draft:
+            if seq.draft or seq.proposal is not None:  # a grammar may have cut every draft
                 accepted = result.accepted[sample]
                 tokens[:0] = accepted
                 logprobs[:0] = result.accepted_logprobs[sample]

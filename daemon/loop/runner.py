@@ -10,7 +10,9 @@ rows; `rejection.verify` takes what the target agrees with. A model whose whole 
 paged blocks (dense) gets those rows as one-token decodes (a row attends to the positions up
 to its own, whose KV the step writes first), batched with the others; a cache with
 per-request state (DeepSeek-V4) is snapshotted before the forward and restored after a
-rejection, and the request recomputes from the snapshot's position.
+rejection, and the request recomputes from the snapshot's position. A grammar masks each
+verify row along the draft (cut, before the forward, at the first token it disallows);
+penalties count, at each verify row, the drafts before it; logit bias applies to every row.
 
 With a draft network (`draft_network`: layer skipping, a separate draft model), it sees every
 step's rows after the target's forward (`DraftNetwork.mirror`), and the sequences the scheduler
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, cast
 
 import torch
@@ -83,6 +86,7 @@ class VerifyRows:
     slots: torch.Tensor  # [N] their slots (last_tokens)
     # per sequence: its block tables and the position its state is snapshotted at
     states: list[tuple[list[list[int]], int]]
+    penalized: list[int] = field(default_factory=list)  # the sequences with penalties
 
 
 class _VerifyBuilder:
@@ -97,6 +101,7 @@ class _VerifyBuilder:
         self.indices: list[int] = []
         self.slots: list[int] = []
         self.states: list[tuple[list[list[int]], int]] = []
+        self.penalized: list[int] = []
 
     def add(self, sample: int, rows: range, seq: ScheduledSeq, tables: list[list[int]]) -> None:
         req = seq.request
@@ -108,6 +113,8 @@ class _VerifyBuilder:
         self.indices.append(seq.sample_index)
         self.slots.append(req.slot)
         self.states.append((tables, seq.start))
+        if req.params.has_penalties:
+            self.penalized.append(len(self.seqs) - 1)
 
     def build(self, vocab: int) -> VerifyRows | None:
         if not self.seqs:
@@ -120,7 +127,39 @@ class _VerifyBuilder:
             sampling=SamplingBatch.build(self.params, self.indices, vocab),
             slots=torch.tensor(self.slots, dtype=torch.long),
             states=self.states,
+            penalized=self.penalized,
         )
+
+
+class _Masks:
+    """A step's grammar masks while it is prepared: a bitmask over at most `rows` logits rows,
+    allocated once a constrained row needs it, and the rows written."""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        self.num_rows, self.vocab = rows, vocab
+        self.bitmask: torch.Tensor | None = None
+        self.rows: list[int] = []
+
+    def _mask(self) -> torch.Tensor:
+        if self.bitmask is None:
+            self.bitmask = allocate_bitmask(self.num_rows, self.vocab)
+        return self.bitmask
+
+    def fill(self, constraint: Constraint, row: int) -> None:
+        if constraint.fill(self._mask(), row):
+            self.rows.append(row)
+
+    def fill_draft(self, constraint: Constraint, row: int, draft: list[int]) -> int:
+        """Rows `row`.. along the draft; how many of its tokens the grammar allows."""
+        allowed, rows = constraint.fill_draft(self._mask(), row, draft)
+        self.rows.extend(rows)
+        return allowed
+
+    def taken(self, num_rows: int) -> tuple[torch.Tensor | None, list[int]]:
+        """The bitmask over the step's `num_rows` logits rows (None: no row constrained)."""
+        if self.bitmask is None or not self.rows:
+            return None, []
+        return self.bitmask[:num_rows], self.rows
 
 
 @dataclass
@@ -227,6 +266,7 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.long, device=device)
         self.penalties: dict[int, PenaltyState] = {}
+        self.drafts_cut = 0  # draft tokens grammars disallowed, cut before their verify
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # On a CPU "device" the forward shares the cores with the event loop, which does its
@@ -271,7 +311,7 @@ class ModelRunner:
         penalty_slots: list[int] = []
         penalty_params: list[SamplingParams] = []
         restores: list[tuple[RestoreOp, list[list[int]]]] = []
-        constrained: list[tuple[int, Constraint]] = []
+        masks = _Masks(sum(len(s.draft) + 1 for s in step.seqs if s.samples), self.vocab_size)
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
@@ -284,6 +324,8 @@ class ModelRunner:
 
         for i, seq in enumerate(step.seqs):
             req = seq.request
+            if seq.draft and req.params.constraint is not None:
+                self._walk_draft(seq, req.params.constraint, masks, len(logits_rows))
             start, n = seq.start, seq.num_tokens
             end = start + n
             d = len(seq.draft)
@@ -340,7 +382,7 @@ class ModelRunner:
                     seq.sample_index + 1,
                     rows.start,
                 )
-            if d:
+            if d or seq.proposal is not None:  # a draft the grammar cut whole still verifies
                 probs = seq.proposal.probs if seq.proposal is not None else None
                 verify.add(num_samples, rows, seq, [list(t) for t in tables])
                 verify.draft_probs[-1] = probs[:d] if probs is not None else None
@@ -352,17 +394,13 @@ class ModelRunner:
                 penalty_slots.append(req.slot)
                 penalty_params.append(req.params)
             if req.params.constraint is not None:
-                constrained.append((rows[0], req.params.constraint))
+                masks.fill(req.params.constraint, rows[0])
             sample_rows.append(rows[0])
             sample_slots.append(req.slot)
             sample_params.append(req.params)
             sample_indices.append(seq.sample_index)
 
-        bitmask, bitmask_rows = None, []
-        if constrained:
-            bitmask = allocate_bitmask(len(logits_rows), self.vocab_size)
-            bitmask_rows = [row for row, c in constrained if c.fill(bitmask, row)]
-            bitmask = bitmask if bitmask_rows else None
+        bitmask, bitmask_rows = masks.taken(len(logits_rows))
         return PreparedStep(
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             placeholder_rows=torch.tensor(placeholder_rows, dtype=torch.long),
@@ -400,6 +438,20 @@ class ModelRunner:
             num_samples=num_samples,
             drafting=drafting if drafting.slots and self.drafting is not None else None,
         )
+
+    def _walk_draft(
+        self, seq: ScheduledSeq, constraint: Constraint, masks: _Masks, row: int
+    ) -> None:
+        """Masks the verify rows of a constrained sequence (from logits row `row`) along its
+        draft and cuts the draft at the first token the grammar disallows. The scheduler grew
+        its KV for the whole draft: `Scheduler.verified` gives back what lies past the cut."""
+        allowed = masks.fill_draft(constraint, row, seq.draft)
+        cut = len(seq.draft) - allowed
+        if cut:
+            seq.draft = seq.draft[:allowed]
+            seq.num_tokens -= cut
+            seq.request.num_computed -= cut
+            self.drafts_cut += cut
 
     # ---- device side (worker thread) -------------------------------------------------------
 
@@ -500,6 +552,8 @@ class ModelRunner:
         if step.penalty_rows:
             states = [self.penalties[s] for s in step.penalty_slots]
             apply_penalties(logits, step.penalty_rows, states, step.penalty_params)
+        if vr is not None and vr.penalized:
+            self._draft_penalties(logits, vr)
         if step.logit_bias is not None:
             apply_logit_bias(logits, *(t.to(dev, non_blocking=True) for t in step.logit_bias))
         if step.bitmask is not None:
@@ -525,6 +579,22 @@ class ModelRunner:
             self.generator,
             self.vocab_size,
         )
+
+    def _draft_penalties(self, logits: torch.Tensor, vr: VerifyRows) -> None:
+        """Penalties on the verify rows: row j of a sequence counts its outputs and the drafts
+        before it (drafts[:j]), as if they had been sampled."""
+        rows, slots = vr.rows.tolist(), vr.slots.tolist()
+        starts = [0, *accumulate(len(d) + 1 for d in vr.drafts)]
+        for v in vr.penalized:
+            state, draft, params = self.penalties[slots[v]], vr.drafts[v], vr.sampling.params[v]
+            states, counts = [], state.output_counts
+            for token in draft:
+                states.append(PenaltyState(state.prompt_mask, counts))
+                counts = counts.clone()
+                counts[token] += 1
+            states.append(PenaltyState(state.prompt_mask, counts))
+            at = rows[starts[v] : starts[v + 1]]
+            apply_penalties(logits, at, states, [params] * len(at))
 
     def _sample(
         self, logits: torch.Tensor, raw: torch.Tensor, sb: SamplingBatch, step: PreparedStep
@@ -561,6 +631,11 @@ class ModelRunner:
         out = verify(logits[rows], vr.drafts, vr.draft_probs, sb, self.generator)
         last = torch.tensor([t[-1] for t in out.tokens], dtype=torch.long)
         self.last_tokens[vr.slots.to(dev, non_blocking=True)] = last.to(dev, non_blocking=True)
+        slots = vr.slots.tolist()
+        for v in vr.penalized:  # what it took, as if sampled one by one
+            taken = torch.tensor(out.tokens[v], dtype=torch.long, device=dev)
+            counts = self.penalties[slots[v]].output_counts
+            counts.index_add_(0, taken, torch.ones_like(taken, dtype=torch.int32))
         rolled_back: list[int | None] = []
         for snap, (tables, _), n, draft in zip(snapshots, vr.states, out.num_accepted, vr.drafts):
             if n < len(draft) and snap.tensors:
@@ -603,6 +678,10 @@ class ModelRunner:
         out = StepResult([], []) if result is None else self._sampled(result, step.sampling)
         if verified is not None:
             out = _merge(out, verified, step.verify)
+            for p, tokens in zip(step.verify.sampling.params, verified.tokens):
+                if p.constraint is not None:  # held back by the scheduler until now, as above
+                    for token in tokens:
+                        p.constraint.accept(token)
         if drafted is not None:
             out.drafts = [None] * step.num_samples
             for i, early in zip(drafted.rows.samples, drafted.host()):

@@ -193,7 +193,7 @@ class Scheduler:
             req = seq.request
             n = 0
             takes = _takes_drafts(req.decodes_without_drafts)
-            if takes and seq.samples and not seq.replay and _may_draft(req):
+            if takes and seq.samples and not seq.replay:
                 # the next step samples one token: drafts for those after it
                 n = max(0, min(k, req.params.max_tokens - req.num_sampled_scheduled - 1))
             if n > 0 and not self.kv.grow(req.request_id, req.num_computed + n):
@@ -209,7 +209,7 @@ class Scheduler:
         many, and so on (each hold costs it a step)."""
         if self.speculator is None or req.num_known_tokens == req.seq_len:
             return False  # nothing in flight that it waits on
-        if req.num_computed != req.seq_len - 1 or not _may_draft(req):
+        if req.num_computed != req.seq_len - 1:
             return False
         if req.params.max_tokens - req.num_sampled_scheduled < 2:
             return False  # no draft could follow its next token
@@ -221,8 +221,8 @@ class Scheduler:
     @staticmethod
     def _may_speculate(seq: ScheduledSeq) -> bool:
         """A decode whose input is the request's last known token (no step of it in flight),
-        with tokens left after this one; penalties and grammars are left out (their state
-        would have to advance along the draft)."""
+        with tokens left after this one. A grammar masks its verify rows along the draft (and
+        cuts it where it disallows a token), penalties count it row by row (ModelRunner)."""
         req = seq.request
         return (
             seq.is_decode
@@ -231,7 +231,6 @@ class Scheduler:
             and not seq.replay
             and req.num_known_tokens == seq.start + 1
             and req.num_sampled_scheduled < req.params.max_tokens
-            and _may_draft(req)
         )
 
     def verified(self, seq: ScheduledSeq, accepted: int, state_at: int | None) -> None:
@@ -345,13 +344,6 @@ class Scheduler:
         self._release(req, final=True)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-
-
-def _may_draft(req: Request) -> bool:
-    """Penalties and grammars are left out of speculation (their state would have to advance
-    along the draft)."""
-    p = req.params
-    return not p.has_penalties and p.constraint is None
 
 
 def _takes_drafts(decodes_without_drafts: int) -> bool:
