@@ -1,0 +1,118 @@
+"""DeepSeek-V4's MTP layer as a drafter, on a tiny random V4 (window 8, compression every 4 and 8
+tokens) whose checkpoint has `mtp.0.*` tensors under DeepSeek's names: the layer built from
+them, its cached (chunked, token by token, batched) forward equal to a full recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.models.base import SeqSlice
+from daemon.models.checkpoints import add_v4_mtp_tensors
+from daemon.models.deepseek_v4.mtp import MTPCache, MTPLayer, build_mtp, window_batch
+from daemon.models.loader import load_model
+from tests.checkpoints import make_v4_checkpoint
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return add_v4_mtp_tensors(make_v4_checkpoint(tmp_path_factory.mktemp("v4-mtp")))
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return load_model(checkpoint, torch.device("cpu"), torch.float32).model
+
+
+@pytest.fixture(scope="module")
+def mtp(target) -> MTPLayer:
+    return build_mtp(target)
+
+
+def run(mtp: MTPLayer, cache: MTPCache, parts, streams, ids) -> torch.Tensor:
+    """One forward over `parts` [(request, start, count)]: request r's rows start..start+count
+    of streams[r] / ids[r], its ring the r-th block."""
+    slices, rows, q = [], [], 0
+    for r, start, count in parts:
+        slices.append(SeqSlice(q, start, count, [[r]], count == 1))
+        rows.append((r, start, count))
+        q += count
+    batch = window_batch(mtp.cfg, cache.ring, slices, 0)
+    x = torch.cat([streams[r][s : s + n] for r, s, n in rows])
+    next_ids = torch.cat([ids[r][s : s + n] for r, s, n in rows])
+    positions = torch.cat([torch.arange(s, s + n) for _, s, n in rows])
+    with torch.inference_mode():
+        return mtp(x, next_ids, positions, batch, cache)
+
+
+def inputs(n: int, seed: int, hc: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hc, d, generator=g), torch.randint(2, VOCAB, (n,), generator=g)
+
+
+def test_the_loader_keeps_what_build_mtp_needs(target, mtp):
+    cfg = target.cfg
+    assert cfg.num_mtp_layers == 1 and cfg.mtp_layer_type == "sliding_attention"
+    assert mtp.block.self_attn.compressor is None and not mtp.block.mlp.gate.hashed
+    kept = {k.replace("__", "."): v for k, v in target.mtp.items()}
+    assert torch.equal(mtp.e_proj.weight, kept["mtp.0.e_proj.weight"])
+    assert torch.equal(mtp.block.self_attn.q_a_proj.weight, kept["mtp.0.attn.wq_a.weight"])
+    assert torch.equal(
+        mtp.block.mlp.gate_up_proj[3, : cfg.moe_intermediate_size],
+        kept["mtp.0.ffn.experts.3.w1.weight"],
+    )
+    # embedding and head are the target's, not copies
+    assert mtp._shared[0] is target.embed_tokens and mtp._shared[1] is target.lm_head
+    assert not any(p is target.lm_head.weight for p in mtp.parameters())
+    streams, ids = inputs(6, 0, cfg.hc_mult, cfg.hidden_size)
+    cache = MTPCache.allocate(cfg, mtp.layer, 2, torch.device("cpu"), torch.float32)
+    logits = mtp.compute_logits(run(mtp, cache, [(0, 0, 6)], [streams], [ids]))
+    assert logits.shape == (6, VOCAB) and torch.isfinite(logits).all()
+
+
+def test_incremental_equals_full_recompute(target, mtp):
+    """Two requests: one chunk of all their rows vs a chunk, then batched one-token passes,
+    past several ring wraps (ring 15 rows, 40 positions)."""
+    cfg, n = target.cfg, 40
+    data = [inputs(n, seed, cfg.hc_mult, cfg.hidden_size) for seed in (1, 2)]
+    streams, ids = [d[0] for d in data], [d[1] for d in data]
+    dev, dtype = torch.device("cpu"), torch.float32
+    full = [
+        run(mtp, MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype), [(r, 0, n)], streams, ids)
+        for r in (0, 1)
+    ]
+    cache = MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype)
+    first = run(mtp, cache, [(0, 0, 13), (1, 0, 5)], streams, ids)
+    got = [[first[:13]], [first[13:]]]
+    pos = [13, 5]
+    while min(pos) < n:
+        parts = [(r, pos[r], 1) for r in (0, 1) if pos[r] < n]
+        if pos[1] == 20:  # a chunk among the decodes
+            parts[1] = (1, 20, 7)
+        out = run(mtp, cache, parts, streams, ids)
+        q = 0
+        for r, _, count in parts:
+            got[r].append(out[q : q + count])
+            pos[r] += count
+            q += count
+    for r in (0, 1):
+        torch.testing.assert_close(torch.cat(got[r]), full[r], atol=1e-5, rtol=1e-5)
+    # the passes did read the ring: the last one over a wiped ring differs
+    wiped = MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype)
+    alone = run(mtp, wiped, [(0, n - 1, 1)], streams, ids)
+    assert (alone - full[0][-1:]).abs().max() > 1e-3
+    # and the head: logits of every position, both ways
+    torch.testing.assert_close(
+        mtp.compute_logits(torch.cat(got[0])), mtp.compute_logits(full[0]), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_build_mtp_refuses_a_checkpoint_without_its_tensors(tmp_path):
+    path = make_v4_checkpoint(tmp_path / "plain")
+    target = load_model(path, torch.device("cpu"), torch.float32).model
+    with pytest.raises(ValueError, match=r"no mtp\.0\.\* tensors"):
+        build_mtp(target)
