@@ -11,7 +11,8 @@ import torch
 
 from daemon.models.base import SeqSlice
 from daemon.models.checkpoints import add_v4_mtp_tensors
-from daemon.models.deepseek_v4.mtp import MTPCache, MTPLayer, build_mtp, window_batch
+from daemon.models.deepseek_v4.batch import V4Batch, V4SeqMeta
+from daemon.models.deepseek_v4.mtp import MTPCache, MTPDraftNetwork, MTPLayer, build_mtp
 from daemon.models.loader import load_model
 from tests.checkpoints import make_v4_checkpoint
 
@@ -34,15 +35,16 @@ def mtp(target) -> MTPLayer:
 
 
 def run(mtp: MTPLayer, cache: MTPCache, parts, streams, ids) -> torch.Tensor:
-    """One forward over `parts` [(request, start, count)]: request r's rows start..start+count
-    of streams[r] / ids[r], its ring the r-th block."""
+    """One forward over `parts` [(request, start, count)]: request r's positions
+    start..start+count, from streams[r] at the position before each and ids[r] at it, its
+    ring the r-th block."""
     slices, rows, q = [], [], 0
     for r, start, count in parts:
         slices.append(SeqSlice(q, start, count, [[r]], count == 1))
         rows.append((r, start, count))
         q += count
-    batch = window_batch(mtp.cfg, cache.ring, slices, 0)
-    x = torch.cat([streams[r][s : s + n] for r, s, n in rows])
+    batch = cache.build_attention(slices)
+    x = torch.cat([streams[r][s - 1 : s - 1 + n] for r, s, n in rows])
     next_ids = torch.cat([ids[r][s : s + n] for r, s, n in rows])
     positions = torch.cat([torch.arange(s, s + n) for _, s, n in rows])
     with torch.inference_mode():
@@ -70,8 +72,8 @@ def test_the_loader_keeps_what_build_mtp_needs(target, mtp):
     assert not any(p is target.lm_head.weight for p in mtp.parameters())
     streams, ids = inputs(6, 0, cfg.hc_mult, cfg.hidden_size)
     cache = MTPCache.allocate(cfg, mtp.layer, 2, torch.device("cpu"), torch.float32)
-    logits = mtp.compute_logits(run(mtp, cache, [(0, 0, 6)], [streams], [ids]))
-    assert logits.shape == (6, VOCAB) and torch.isfinite(logits).all()
+    logits = mtp.compute_logits(run(mtp, cache, [(0, 1, 5)], [streams], [ids]))
+    assert logits.shape == (5, VOCAB) and torch.isfinite(logits).all()
 
 
 def test_incremental_equals_full_recompute(target, mtp):
@@ -82,12 +84,12 @@ def test_incremental_equals_full_recompute(target, mtp):
     streams, ids = [d[0] for d in data], [d[1] for d in data]
     dev, dtype = torch.device("cpu"), torch.float32
     full = [
-        run(mtp, MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype), [(r, 0, n)], streams, ids)
+        run(mtp, MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype), [(r, 1, n - 1)], streams, ids)
         for r in (0, 1)
     ]
     cache = MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype)
-    first = run(mtp, cache, [(0, 0, 13), (1, 0, 5)], streams, ids)
-    got = [[first[:13]], [first[13:]]]
+    first = run(mtp, cache, [(0, 1, 12), (1, 1, 4)], streams, ids)
+    got = [[first[:12]], [first[12:]]]
     pos = [13, 5]
     while min(pos) < n:
         parts = [(r, pos[r], 1) for r in (0, 1) if pos[r] < n]
@@ -108,6 +110,69 @@ def test_incremental_equals_full_recompute(target, mtp):
     # and the head: logits of every position, both ways
     torch.testing.assert_close(
         mtp.compute_logits(torch.cat(got[0])), mtp.compute_logits(full[0]), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_mirror_and_passes_keep_the_accepted_tokens_entries(target, mtp):
+    """The draft network's state after the steps of two requests (a prefill, draft passes,
+    a verify whose last drafts are rejected, then: a decode after the accepted ones (dense
+    style), or a recompute from the verify's start (V4 style), then decodes): a pass at the
+    end equals a full recompute over the accepted tokens."""
+    cfg, n, k = target.cfg, 18, 5  # the last pass reads positions 10..17
+    dev, dtype = torch.device("cpu"), torch.float32
+    net = MTPDraftNetwork(mtp, MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype, k + 2))
+    data = [inputs(n, seed, cfg.hc_mult, cfg.hidden_size) for seed in (3, 4)]
+    streams, ids = [d[0] for d in data], [d[1] for d in data]
+    junk_streams, junk_ids = inputs(n + 8, 9, cfg.hc_mult, cfg.hidden_size)
+    full = [
+        run(mtp, MTPCache.allocate(cfg, mtp.layer, 2, dev, dtype), [(r, 1, n - 1)], streams, ids)
+        for r in (0, 1)
+    ]
+
+    def mirror(parts, rejected_from: int = n) -> None:
+        """A target step over `parts` [(request, start, count)]; positions from
+        `rejected_from` on hold rejected drafts (their tokens and outputs are junk)."""
+        metas, rows, tokens, positions = [], [], [], []
+        for r, start, count in parts:
+            metas.append(V4SeqMeta(len(rows), start, count, r, -1, [], []))
+            for p in range(start, start + count):
+                bad = p >= rejected_from
+                rows.append(junk_streams[p] if bad else streams[r][p])
+                tokens.append(int(junk_ids[p] if bad else ids[r][p]))
+                positions.append(p)
+        with torch.inference_mode():
+            net.mirror(
+                torch.tensor(tokens),
+                torch.tensor(positions),
+                V4Batch(seqs=metas),
+                torch.stack(rows),
+            )
+
+    def draft_pass(parts, real: bool) -> torch.Tensor:
+        """A pass per (request, position): from the target's streams before it and its token
+        (`real`), or from junk (a chained pass's draft)."""
+        slices = [SeqSlice(i, p, 1, [[r]], True) for i, (r, p) in enumerate(parts)]
+        context = torch.stack([(streams[r] if real else junk_streams)[p - 1] for r, p in parts])
+        tokens = torch.tensor([int((ids[r] if real else junk_ids)[p]) for r, p in parts])
+        positions = torch.tensor([p for _, p in parts])
+        with torch.inference_mode():
+            return net.forward(tokens, positions, net.cache.build_attention(slices), context)
+
+    mirror([(0, 0, 10), (1, 0, 10)])
+    draft_pass([(0, 10), (1, 10)], real=True)
+    draft_pass([(0, 11), (1, 11)], real=False)
+    draft_pass([(0, 12), (1, 12)], real=False)
+    mirror([(0, 10, 6), (1, 10, 6)], rejected_from=13)  # drafts 11, 12 taken, 13.. not
+    draft_pass([(0, 13)], real=True)
+    draft_pass([(0, 14), (1, 14)], real=False)
+    mirror([(0, 13, 1), (1, 10, 4)])
+    for p in range(14, n - 1):
+        mirror([(0, p, 1), (1, p, 1)])
+    last = draft_pass([(0, n - 1), (1, n - 1)], real=True)
+    for r in (0, 1):
+        torch.testing.assert_close(last[r], full[r][-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        net.logits(last), mtp.compute_logits(torch.stack([f[-1] for f in full]))
     )
 
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from daemon.kv.spec import KVGroup
 from daemon.models.base import SeqSlice
 from daemon.models.deepseek_v4.batch import ChunkQueries, V4Batch, V4Decodes, V4SeqMeta
 from daemon.models.deepseek_v4.blocks import FP32RMSNorm, HyperHead, InterleavedRope
 from daemon.models.deepseek_v4.config import SLIDING, V4Config
-from daemon.models.deepseek_v4.kv import ring_size
+from daemon.models.deepseek_v4.kv import V4Groups, ring_size
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
 from daemon.models.deepseek_v4.weights import checkpoint_target, mtp_weights
 
@@ -48,23 +49,61 @@ _SHARED = ("emb.tok_emb.weight", "embed.weight", "embed_tokens.weight", "head.we
 
 @dataclass
 class MTPCache:
-    """The MTP layer's raw KV: one ring per request, indexed by the request's sliding-window
-    block (the target's), so the target's block tables address it. Shaped as the target's
-    rings (W-1+B rows), so a draft pass's writes past the accepted position only evict
-    positions older than every window still read (for fewer than B drafts)."""
+    """The MTP layer's state, per request, indexed by the request's sliding-window block (the
+    target's), so the target's block tables address it: its raw KV ring, shaped as the
+    target's (W-1+B rows: a draft pass's writes past the accepted position only evict
+    positions older than every window still read, for fewer than B drafts), and the target's
+    output streams at its last few positions (an entry needs the one before its own).
 
+    Positions are the target's token positions: the entry at p is the MTP pass over the
+    target's streams at p-1 and the token at p (DeepSeek's reference puts it at p-1; RoPE's
+    relative angles make the two the same). Position 0 has no entry: windows start at 1."""
+
+    cfg: V4Config
     swa: dict[int, torch.Tensor]  # {the MTP layer id: [swa blocks + 1, ring, head_dim]}
     ring: int
+    hidden: torch.Tensor  # [swa blocks + 1, H, hc, D] the target's streams at positions p % H
+    swa_group: int  # the sliding-window group's index in the target's block tables
     layers: dict = field(default_factory=dict)  # no compressed layers: V4Attention reads these
     indexers: dict = field(default_factory=dict)
 
     @classmethod
     def allocate(
-        cls, cfg: V4Config, layer: int, swa_blocks: int, device: torch.device, dtype: torch.dtype
+        cls,
+        cfg: V4Config,
+        layer: int,
+        swa_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        positions_kept: int = 2,
+        swa_group: int = 0,
     ) -> MTPCache:
+        """`positions_kept`: the target streams kept per request, more than the rows a verify
+        computes (drafts + 1), so a recompute after a rollback finds the one before it."""
         ring = ring_size(cfg)
         rings = {layer: torch.zeros(swa_blocks + 1, ring, cfg.head_dim, dtype=dtype, device=device)}
-        return cls(rings, ring)
+        hidden = torch.zeros(
+            swa_blocks + 1, positions_kept, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device
+        )
+        return cls(cfg, rings, ring, hidden, swa_group)
+
+    def build_attention(self, seqs: list[SeqSlice]) -> V4Batch:
+        """The metadata of one-token draft passes (or any slices) over these rings."""
+        metas = [
+            V4SeqMeta(
+                q_start=s.q_start,
+                start=s.start,
+                num_tokens=s.num_tokens,
+                swa_block=s.block_tables[self.swa_group][0],
+                state_block=-1,
+                csa_table=[],
+                hca_table=[],
+                replay=s.replay,
+                window_floor=s.window_floor,
+            )
+            for s in seqs
+        ]
+        return window_batch(self.cfg, self.ring, metas)
 
 
 class MTPLayer(nn.Module):
@@ -105,8 +144,9 @@ class MTPLayer(nn.Module):
         batch: V4Batch,
         cache: MTPCache,
     ) -> torch.Tensor:
-        """streams [T, hc, D] (the target's at these positions, or the previous pass's) and
-        the token after each position -> this layer's streams [T, hc, D]; writes its KV."""
+        """streams [T, hc, D] (the target's at the position before each row's, or the previous
+        pass's output) and the token at each row's position -> this layer's streams [T, hc, D]
+        (`compute_logits` of them: the token after); writes its KV at `positions` (all ≥ 1)."""
         embed, _ = self._shared
         e = self.e_proj(self.enorm(embed(next_ids)))
         x = self.h_proj(self.hnorm(streams)) + e.unsqueeze(1)
@@ -115,6 +155,108 @@ class MTPLayer(nn.Module):
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
         _, lm_head = self._shared
         return lm_head(self.norm(self.hc_head(streams))).float()
+
+
+class MTPDraftNetwork:
+    """The MTP layer as the runner's draft network (loop/early_exit.py `DraftNetwork`): its
+    state in an `MTPCache`. `mirror` makes, after each target forward, the entries of every
+    position the step computed, from the target's streams at the position before (kept from
+    the step before for its first row) and the token there: so a draft pass always finds the
+    window of entries the accepted tokens give. A verify's rows past its accepted drafts, and
+    chained draft passes, leave entries of tokens that may be rejected: the next step's
+    mirror, or its first draft pass, writes them again before any query reads them.
+
+    Where the prefix cache restores a window or blocks (host tier, block store, a SWA
+    snapshot), the MTP state of those positions is not restored: it is whatever the ring held.
+    That lowers acceptance for such requests, never the output (the target verifies)."""
+
+    def __init__(self, layer: MTPLayer, cache: MTPCache) -> None:
+        self.layer = layer
+        self.mtp_cache = cache
+
+    @classmethod
+    def allocate(
+        cls,
+        layer: MTPLayer,
+        groups: list[KVGroup],
+        num_blocks: list[int],
+        device: torch.device,
+        spec_tokens: int,
+    ) -> MTPDraftNetwork:
+        """Its state for the target's KV groups and pool sizes (one ring per sliding-window
+        block), keeping the target's streams of more positions than a verify computes."""
+        swa = V4Groups.of(layer.cfg, groups).swa
+        dtype = layer.e_proj.weight.dtype
+        cache = MTPCache.allocate(
+            layer.cfg, layer.layer, num_blocks[swa], device, dtype, spec_tokens + 2, swa
+        )
+        return cls(layer, cache)
+
+    @property
+    def cache(self) -> MTPCache:
+        return self.mtp_cache
+
+    def mirror(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: V4Batch,
+        hidden: torch.Tensor,
+    ) -> None:
+        """The entries of the step's positions (but 0) from its rows: `hidden` [T, hc, D] the
+        target's output streams, `attention` its metadata (the sequences' rows)."""
+        c, dev = self.mtp_cache, hidden.device
+        kept = c.hidden.shape[1]
+        ring = c.hidden.view(-1, *c.hidden.shape[2:])
+        metas: list[V4SeqMeta] = []
+        rows: list[int] = []  # the step's rows computed, in the MTP batch's order
+        before: list[int] = []  # the step's row of the position before each (0: see `firsts`)
+        firsts: list[int] = []  # entries whose position before is the step before's
+        kept_at: list[int] = []  # ... and where its streams are kept
+        store_rows: list[int] = []
+        store_at: list[int] = []
+        for s in attention.seqs:
+            base, end = s.swa_block * kept, s.start + s.num_tokens
+            keep = range(max(s.start, end - kept), end)
+            store_rows += [s.q_start + p - s.start for p in keep]
+            store_at += [base + p % kept for p in keep]
+            first = max(s.start, 1)
+            if first >= end:
+                continue
+            q = len(rows)
+            metas.append(dataclasses.replace(s, q_start=q, start=first, num_tokens=end - first))
+            rows += range(s.q_start + first - s.start, s.q_start + s.num_tokens)
+            before += [max(s.q_start + p - 1 - s.start, 0) for p in range(first, end)]
+            if first == s.start:
+                firsts.append(q)
+                kept_at.append(base + (first - 1) % kept)
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        if metas:
+            streams = hidden[index(before)]
+            if firsts:
+                streams[index(firsts)] = ring[index(kept_at)]
+            take = index(rows)
+            batch = window_batch(c.cfg, c.ring, metas).to(dev)
+            self.layer(streams, input_ids[take], positions[take], batch, c)
+        if store_rows:
+            ring.index_copy_(0, index(store_at), hidden[index(store_rows)])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: V4Batch,
+        context: torch.Tensor,
+    ) -> torch.Tensor:
+        """A draft pass: the token at each position and `context`, the streams of the position
+        before (the target's, then the previous pass's)."""
+        return self.layer(context, input_ids, positions, attention, self.mtp_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer.compute_logits(hidden)
 
 
 def build_mtp(target: DeepseekV4ForCausalLM, index: int = 0) -> MTPLayer:
@@ -175,24 +317,13 @@ def build_mtp(target: DeepseekV4ForCausalLM, index: int = 0) -> MTPLayer:
     return layer.requires_grad_(False).eval()
 
 
-def window_batch(cfg: V4Config, ring: int, slices: list[SeqSlice], swa_group: int) -> V4Batch:
-    """Attention metadata of a step for the MTP layer: windows only (its layer has no
-    compressed entries), over the rings of the requests' sliding-window blocks."""
-    batch = V4Batch()
-    for s in slices:
-        batch.seqs.append(
-            V4SeqMeta(
-                q_start=s.q_start,
-                start=s.start,
-                num_tokens=s.num_tokens,
-                swa_block=s.block_tables[swa_group][0],
-                state_block=-1,
-                csa_table=[],
-                hca_table=[],
-                replay=s.replay,
-                window_floor=s.window_floor,
-            )
-        )
+def window_batch(cfg: V4Config, ring: int, seqs: list[V4SeqMeta]) -> V4Batch:
+    """Attention metadata for the MTP layer: windows only (its layer has no compressed
+    entries), over the rings of the requests' sliding-window blocks; position 0 is never
+    seen (no entry there), nor computed (callers start at 1)."""
+    batch = V4Batch(
+        seqs=[dataclasses.replace(s, window_floor=max(s.window_floor, 1)) for s in seqs]
+    )
     chunks = batch.chunks
     if chunks:
         batch.queries = ChunkQueries.build(chunks, cfg, ring, {})
@@ -207,7 +338,8 @@ def _window_decodes(cfg: V4Config, ring: int, seqs: list[V4SeqMeta]) -> V4Decode
     pos = torch.tensor([s.start for s in seqs], dtype=torch.long)
     swa = torch.tensor([s.swa_block for s in seqs], dtype=torch.long)
     window = pos[:, None] + torch.arange(1 - w, 1)
-    padding = window < 0
+    floor = torch.tensor([s.window_floor for s in seqs], dtype=torch.long)
+    padding = window < floor[:, None]
     return V4Decodes(
         rows=torch.tensor([s.q_start for s in seqs], dtype=torch.long),
         new_rows=swa * ring + pos % ring,
