@@ -1,12 +1,16 @@
 """Test doubles for speculative decoding: a drafter that proposes a reference run's
-continuation with wrong tokens put in, and a policy that verifies every draft in full."""
+continuation with wrong tokens put in, a policy that verifies every draft in full, and the
+engine helpers the speculative tests share (start one, run requests, their tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+from daemon.build.config import EngineConfig
+from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
-from daemon.loop.request import Request
+from daemon.loop.request import Request, RequestOutput, SamplingParams
 from daemon.loop.spec.base import Candidate, Draft
 from daemon.loop.spec.speculator import Speculator
 
@@ -68,3 +72,25 @@ def speculate(engine: Engine, drafter: OracleDrafter, k: int = 5) -> Speculator:
     spec = Speculator(drafter, VerifyAll(), k)
     engine.scheduler.speculator = spec
     return spec
+
+
+async def start_engine(**settings) -> Engine:
+    """An engine built from `settings` (EngineConfig fields), started."""
+    engine, _ = build_engine(EngineConfig(**settings))
+    await engine.start()
+    return engine
+
+
+async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+async def run_all(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[RequestOutput]]:
+    """The requests at once (batched as the scheduler admits them)."""
+    return await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]

@@ -5,19 +5,23 @@ multi-token step, and the logprobs of accepted tokens."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
-from daemon.build.config import EngineConfig
-from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
-from daemon.loop.request import RequestOutput, RequestStatus, SamplingParams
+from daemon.loop.request import RequestStatus, SamplingParams
 from daemon.loop.scheduler import ScheduledSeq
 from tests.checkpoints import make_dense_checkpoint
-from tests.spec_doubles import OracleDrafter, speculate
+from tests.spec_doubles import (
+    OracleDrafter,
+    collect,
+    run_all,
+    speculate,
+    start_engine,
+    tokens,
+)
 
 VOCAB = 129280
 BLOCK = 4  # small blocks: a rejected draft's rows often lie in blocks of their own
@@ -45,23 +49,7 @@ async def started(checkpoint: Path, **overrides) -> Engine:
         block_size=BLOCK,
         overlap=True,
     )
-    engine, _ = build_engine(EngineConfig(**(settings | overrides)))
-    await engine.start()
-    return engine
-
-
-async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params)]
-
-
-async def run_all(
-    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
-) -> list[list[RequestOutput]]:
-    return await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
+    return await start_engine(**(settings | overrides))
 
 
 def watch_blocks(engine: Engine) -> list[tuple[int, int, int]]:

@@ -16,13 +16,14 @@ from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.build.startup import StartupError
 from daemon.loop.engine import Engine
-from daemon.loop.request import Request, RequestOutput, RequestStatus, SamplingParams
+from daemon.loop.request import Request, RequestStatus, SamplingParams
 from daemon.loop.scheduler import ScheduledSeq
 from daemon.loop.spec.base import Draft
-from daemon.loop.spec.layerskip import EarlyDraft, LayerSkipDrafter
+from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
 from daemon.loop.spec_profile import profile
 from daemon.service.settings import ConfigError, load_settings
 from tests.checkpoints import make_dense_checkpoint, make_v4_checkpoint
+from tests.spec_doubles import run_all, start_engine, tokens
 
 VOCAB = 512
 LAYERS = 4
@@ -55,23 +56,7 @@ async def started(checkpoint: Path, **overrides) -> Engine:
         speculative="layer-skip",
         spec_policy="fixed",
     )
-    engine, _ = build_engine(EngineConfig(**(settings | overrides)))
-    await engine.start()
-    return engine
-
-
-async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    return [out async for out in engine.generate(prompt, params)]
-
-
-async def run_all(
-    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
-) -> list[list[RequestOutput]]:
-    return await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
+    return await start_engine(**(settings | overrides))
 
 
 def watch(engine: Engine) -> tuple[list[tuple[int, int, int]], list[tuple[Request, int]]]:
@@ -193,7 +178,7 @@ async def test_seeded_sampling_reproducible_with_draft_distributions(checkpoint,
 
 
 def test_drafter_hands_over_only_drafts_that_follow_the_known_tokens():
-    drafter = LayerSkipDrafter()
+    drafter = DeviceDrafter("layer-skip")
     req = Request("r", [5, 6, 7], SamplingParams(max_tokens=8))
     req.output_ids = [9]
     draft = Draft([1, 2, 3], [0.9, 0.5, 0.2])
@@ -216,9 +201,9 @@ async def test_profile_times_verify_points_with_their_drafting(checkpoint):
     drafted: list[int] = []
     draft = runner._draft
 
-    def counting(rows, verified):
+    def counting(rows, verified, hidden):
         drafted.append(len(rows.slots))
-        return draft(rows, verified)
+        return draft(rows, verified, hidden)
 
     runner._draft = counting
     try:

@@ -62,6 +62,9 @@ class EngineConfig:
     spec_policy: str = "adaptive"
     # layer-skip drafting: the target's first layers that draft (0: half of them)
     draft_layers: int = 0
+    # draft-model drafting: a small model with the target's tokenizer (checkpoint directory or
+    # GGUF file); given alone, it turns speculative decoding on with it
+    draft_model: str | None = None
 
 
 def _env_flag(name: str) -> bool:

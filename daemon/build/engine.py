@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import structlog
 import torch
@@ -20,10 +23,13 @@ from daemon.kv.block_store import BlockStore
 from daemon.kv.host_tier import HostTier
 from daemon.kv.manager import KVBudgetTooSmall, KVManager, pool_sizes
 from daemon.kv.prefix import PrefixCache
+from daemon.kv.spec import KVGroup
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.swa_cache import SWACache
 from daemon.kv.tier_ops import TierQueue
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.draft_model import DraftModel
+from daemon.loop.early_exit import DraftNetwork, LayerSkip
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.loop.runner import ModelRunner
@@ -33,7 +39,7 @@ from daemon.loop.spec.policy import build_policy
 from daemon.loop.spec.speculator import Speculator
 from daemon.loop.spec.stats import SpecStats
 from daemon.loop.spec_profile import profile
-from daemon.models.base import EarlyExitModel, Model
+from daemon.models.base import EarlyExitModel, Model, ModelCache
 from daemon.models.gguf_checkpoint.reader import find_gguf
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
 from daemon.models.rope import UnsupportedRope
@@ -48,6 +54,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     """The engine and the name it serves the model under; `metrics`: its request observer
     (what /metrics serves), None for none. A model, device or KV budget that cannot serve
     raises StartupError."""
+    cfg = _implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
         path = model_path(cfg)
         hf_config = read_config(path)
@@ -65,6 +72,12 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)
     groups = model.kv_groups(dtype, cfg.block_size)
     kv_memory = int(cfg.kv_cache_memory_gb * 2**30)
+    draft: tuple[Model, list[KVGroup]] | None = None
+    if cfg.speculative == "draft-model":
+        draft = _draft_model(cfg, model, groups, tokenizer, device, dtype)
+        max_model_len = _bounded_by_draft(draft[0], max_model_len)
+        # the draft's cache has as many blocks as the target's: the budget pays for both
+        kv_memory = int(kv_memory * _share(groups, draft[1]))
     with failing_as("KV cache", KVBudgetTooSmall):
         num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
@@ -74,6 +87,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     # before the runner: it takes the listener, and EP drops others' experts before the KV cache
     moe = moe_controller(cfg, model, device)
     draft_layers = _draft_layers(cfg, model) if cfg.speculative == "layer-skip" else 0
+    network = _draft_network(model, draft_layers, draft, num_blocks, device)
     runner = ModelRunner(
         model,
         groups,
@@ -85,7 +99,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         decode_graphs=not cfg.enforce_eager and cfg.ep_size <= 1,  # EP exchanges vary in size
         after_forward=forward_listener(moe),
         spec_tokens=cfg.num_speculative_tokens if cfg.speculative else 0,
-        draft_layers=draft_layers,
+        draft_network=network,
     )
     runner.warm_up()
     # the tier moves' queue takes the demotions of the blocks the KV manager reuses
@@ -136,8 +150,111 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         speculative=cfg.speculative,
         spec_policy=cfg.spec_policy if cfg.speculative else None,
         draft_layers=draft_layers or None,
+        draft_model=cfg.draft_model if draft else None,
     )
     return engine, name
+
+
+def _implied(cfg: EngineConfig) -> EngineConfig:
+    """`draft_model` alone turns speculation on with it (as vLLM's draft model path does); any
+    other drafter with it, or the draft-model drafter without one, cannot start."""
+    if cfg.draft_model and cfg.speculative is None:
+        return dataclasses.replace(cfg, speculative="draft-model")
+    if cfg.draft_model and cfg.speculative != "draft-model":
+        raise StartupError(
+            f"draft_model is the draft-model drafter's; speculative is {cfg.speculative!r}"
+        )
+    if cfg.speculative == "draft-model" and not cfg.draft_model:
+        raise StartupError("speculative draft-model: no draft_model (--draft-model PATH) given")
+    return cfg
+
+
+def _draft_model(
+    cfg: EngineConfig,
+    target: Model,
+    groups: list[KVGroup],
+    tokenizer: TextTokenizer | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Model, list[KVGroup]]:
+    """The draft model (loaded as the target is, in its dtype) and its KV groups, refused unless
+    it can draft for `target`: the same tokenizer and vocabulary, and KV the target's block
+    tables index (one paged group of the same block size, as a dense target has)."""
+    assert cfg.draft_model is not None
+    path = Path(cfg.draft_model).expanduser()
+    if any(g.spec.per_request for g in groups) or len(groups) != 1:
+        raise StartupError(
+            "draft model: the target's KV is not one paged group (DeepSeek-V4 keeps "
+            "per-request state and blocks of its own geometry); a draft model drafts for dense "
+            "targets only"
+        )
+    with failing_as(f"draft model {path}", ModelLoadError, OSError):
+        hf_config = read_config(path)
+    with failing_as(
+        f"draft model tokenizer {find_gguf(path) or path / 'tokenizer.json'}", Exception
+    ):
+        draft_tokenizer = TextTokenizer.from_dir(path, hf_config)
+    # where either has none, the vocabulary sizes below are all there is to compare
+    if tokenizer is not None and draft_tokenizer is not None:
+        same = tokenizer.tokenizer.get_vocab() == draft_tokenizer.tokenizer.get_vocab()
+        if not same:
+            raise StartupError(f"draft model {path}: its tokenizer is not the target's")
+    with failing_as(f"draft model {path}", ModelLoadError, UnsupportedRope, OSError):
+        draft = load_model(path, device, dtype).model
+    if draft.vocab_size != target.vocab_size:
+        raise StartupError(
+            f"draft model {path}: a vocabulary of {draft.vocab_size} tokens, the target's has "
+            f"{target.vocab_size} (a draft model needs the target's tokenizer)"
+        )
+    draft_groups = draft.kv_groups(dtype, cfg.block_size)
+    block = groups[0].spec.block_size
+    if len(draft_groups) != 1 or draft_groups[0].spec.per_request:
+        raise StartupError(f"draft model {path}: its KV is not one paged group (a dense model's)")
+    if draft_groups[0].spec.block_size != block:
+        raise StartupError(
+            f"draft model {path}: KV blocks of {draft_groups[0].spec.block_size} tokens, the "
+            f"target's of {block}"
+        )
+    return draft, draft_groups
+
+
+def _bounded_by_draft(draft: Model, max_model_len: int) -> int:
+    """The longest request the draft model can follow (its positions), below the target's."""
+    if draft.max_model_len < max_model_len:
+        log.warning(
+            "max_model_len_lowered", asked=max_model_len, draft_model_supports=draft.max_model_len
+        )
+    return min(max_model_len, draft.max_model_len)
+
+
+def _share(groups: list[KVGroup], draft_groups: list[KVGroup]) -> float:
+    """The target's part of a KV budget that also holds a draft cache of as many blocks."""
+
+    def per_token(gs: list[KVGroup]) -> float:
+        return sum(g.spec.bytes_per_block / g.spec.block_size for g in gs)
+
+    target = per_token(groups)
+    return target / (target + per_token(draft_groups))
+
+
+def _draft_network(
+    model: Model,
+    draft_layers: int,
+    draft: tuple[Model, list[KVGroup]] | None,
+    num_blocks: list[int],
+    device: torch.device,
+) -> Callable[[ModelCache], DraftNetwork] | None:
+    """What the runner drafts through, made over its cache: the target's first layers, or the
+    draft model over a cache of its own with as many blocks as the target's."""
+    if draft_layers:
+        early = cast(EarlyExitModel, model)
+        return lambda cache: LayerSkip(early, cache, draft_layers)
+    if draft is not None:
+        draft_model, draft_groups = draft
+        return lambda cache: DraftModel(
+            draft_model, draft_model.allocate_cache(draft_groups, num_blocks, device, 0)
+        )
+    return None
 
 
 def _draft_layers(cfg: EngineConfig, model: Model) -> int:

@@ -1,23 +1,103 @@
-"""Layer-skip draft passes on the device thread: after a step, one-token passes through the
-target's first layers (its final norm and lm_head after), batched over the sequences the
-scheduler marked, from the token each sampled; greedy rows take the argmax, sampled rows draw
-from the draft distribution and keep it (for lossless rejection sampling)."""
+"""Draft passes on the device thread: after a step, one-token passes through a draft network
+(`DraftNetwork`: the target's first layers, a separate draft model, ...), batched over the
+sequences the scheduler marked, from the token each sampled; greedy rows take the argmax,
+sampled rows draw from the draft distribution and keep it (for lossless rejection sampling)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from daemon.loop.request import SamplingParams
 from daemon.loop.sampler import SamplingBatch, row_generator, warped_probs
 from daemon.loop.spec.base import Draft
-from daemon.loop.spec.layerskip import EarlyDraft
-from daemon.models.base import EarlyExitModel, ModelCache, SeqSlice
+from daemon.loop.spec.device_drafter import EarlyDraft
+from daemon.models.base import AttentionMetadata, EarlyExitModel, ModelCache, SeqSlice
 
 # a seeded row's draft draws come from the streams of (seed, output index + this): apart from
 # the target's own, which decide acceptance
 DRAFT_STREAM = 1 << 40
+
+
+class DraftNetwork(Protocol):
+    """What the runner drafts through, on the device thread. Its `cache` is indexed by the
+    target's block tables (the scheduler grows them over the draft positions), so a pass
+    writes its KV at the request's own slots; the verify of the drafts rewrites the target's
+    there, and a rejected draft's slots are written again before anything reads them."""
+
+    @property
+    def cache(self) -> ModelCache:
+        """The KV the passes read and write (it builds their attention metadata)."""
+        ...
+
+    def mirror(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        hidden: torch.Tensor,
+    ) -> None:
+        """After the target's forward of a step (every row: prefill chunks, decodes, verify
+        rows; `attention` built by the target's cache, `hidden` its output rows): whatever the
+        network keeps of each known token for its later passes."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        context: torch.Tensor,
+    ) -> torch.Tensor:
+        """One pass of a token per sequence: rows for `logits`, writing the network's KV at
+        `positions`. `context` [n, H]: per sequence, for the first pass the target's hidden row
+        that sampled its token, then this network's own output of the pass before (what an MTP
+        layer takes; a network that drafts from tokens alone ignores it)."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 [n, V] logits of `forward`'s rows, over the target's vocabulary."""
+        ...
+
+
+@dataclass
+class LayerSkip:
+    """The target's first `num_layers` layers, its final norm and lm_head, over the target's own
+    cache: the passes write those layers' KV at the draft positions, which the verify
+    overwrites at every layer; the target's forward has written every known token's already."""
+
+    model: EarlyExitModel
+    target_cache: ModelCache
+    num_layers: int
+
+    @property
+    def cache(self) -> ModelCache:
+        return self.target_cache
+
+    def mirror(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        hidden: torch.Tensor,
+    ) -> None:
+        """Nothing: the step's forward wrote these layers' KV in the shared cache."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        context: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model.forward_layers(
+            input_ids, positions, attention, self.target_cache, self.num_layers
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
 
 @dataclass
@@ -34,6 +114,8 @@ class DraftRows:
     params: list[SamplingParams] = field(default_factory=list)
     # the output index of the first draft, before the drafts a verify row accepts
     first_indices: list[int] = field(default_factory=list)
+    # the step's logits row of its sample (a verify row's first: its accepted drafts follow)
+    logits_rows: list[int] = field(default_factory=list)
 
     def add(
         self,
@@ -45,6 +127,7 @@ class DraftRows:
         tables: list[list[int]],
         params: SamplingParams,
         first_index: int,
+        logits_row: int,
     ) -> None:
         self.samples.append(sample)
         self.slots.append(slot)
@@ -54,6 +137,7 @@ class DraftRows:
         self.tables.append(tables)
         self.params.append(params)
         self.first_indices.append(first_index)
+        self.logits_rows.append(logits_row)
 
 
 @dataclass
@@ -80,24 +164,29 @@ class Drafted:
 
 
 def draft_passes(
-    model: EarlyExitModel,
-    cache: ModelCache,
-    num_layers: int,
+    network: DraftNetwork,
     rows: DraftRows,
     last_tokens: torch.Tensor,
     accepted: list[int],
+    hidden: torch.Tensor,
     generator: torch.Generator,
     vocab: int,
 ) -> Drafted:
-    """Up to max(counts) passes of one token per sequence (fewer as counts run out); each writes
-    the KV of the first `num_layers` layers at its position, which the verify of these drafts
-    overwrites at every layer. `last_tokens`: the runner's, holding what the step sampled;
-    `accepted`: per verify sequence, the drafts it took."""
+    """Up to max(counts) passes of one token per sequence through `network` (fewer as counts
+    run out), each writing the network's KV at its position. `last_tokens`: the runner's,
+    holding what the step sampled; `accepted`: per verify sequence, the drafts it took;
+    `hidden`: the target's hidden rows of the step's logits rows (the first pass's context)."""
     dev = last_tokens.device
     n, k = len(rows.slots), max(rows.counts)
     took = [accepted[v] if v is not None else 0 for v in rows.verify]
     positions = [b + a for b, a in zip(rows.bases, took)]
     first = [f + a for f, a in zip(rows.first_indices, took)]
+    at_rows = [r + a for r, a in zip(rows.logits_rows, took)]
+    # the rows the next pass takes as context, and the sequence of each
+    context, context_of = (
+        hidden[torch.tensor(at_rows, dtype=torch.long, device=dev)],
+        list(range(n)),
+    )
     tokens = torch.zeros(n, 1 + k, dtype=torch.long, device=dev)
     tokens[:, 0] = last_tokens[torch.tensor(rows.slots, dtype=torch.long, device=dev)]
     confidence = torch.zeros(n, k, dtype=torch.float32, device=dev)
@@ -109,11 +198,12 @@ def draft_passes(
         index = torch.tensor(act, dtype=torch.long, device=dev)
         slices = [SeqSlice(r, positions[i] + j, 1, rows.tables[i], True) for r, i in enumerate(act)]
         pos = torch.tensor([positions[i] + j for i in act], dtype=torch.long)
-        attention = cache.build_attention(slices).to(dev)
-        hidden = model.forward_layers(
-            tokens[index, j], pos.to(dev, non_blocking=True), attention, cache, num_layers
-        )
-        logits = model.compute_logits(hidden)
+        attention = network.cache.build_attention(slices).to(dev)
+        row_of = {i: r for r, i in enumerate(context_of)}
+        ctx = context[torch.tensor([row_of[i] for i in act], dtype=torch.long, device=dev)]
+        out = network.forward(tokens[index, j], pos.to(dev, non_blocking=True), attention, ctx)
+        logits = network.logits(out)
+        context, context_of = out, act
         params = [rows.params[i] for i in act]
         sb = SamplingBatch.build(params, [first[i] + j for i in act], vocab).to(dev)
         chosen = logits.argmax(dim=-1)

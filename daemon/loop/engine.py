@@ -38,7 +38,7 @@ from daemon.loop.request import (
 )
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
-from daemon.loop.spec.layerskip import EarlyDraft, LayerSkipDrafter
+from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -424,9 +424,9 @@ class Engine:
         self._wakeup.set()
 
     def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
-        """Drafts the runner made after this step's token (layer skipping), for the drafter."""
+        """Drafts the runner made after this step's token (on the device), for the drafter."""
         spec = self.scheduler.speculator
-        if spec is not None and isinstance(spec.drafter, LayerSkipDrafter):
+        if spec is not None and isinstance(spec.drafter, DeviceDrafter):
             spec.drafter.receive(req, drafted)
 
     def _verified(self, seq: ScheduledSeq, accepted: int, rolled_back: int | None) -> None:

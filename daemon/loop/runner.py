@@ -12,8 +12,10 @@ to its own, whose KV the step writes first), batched with the others; a cache wi
 per-request state (DeepSeek-V4) is snapshotted before the forward and restored after a
 rejection, and the request recomputes from the snapshot's position.
 
-With layer skipping (`draft_layers`), the sequences the scheduler marks draft at the end of the
-step, on this thread (loop/early_exit.py); their drafts travel back in the StepResult.
+With a draft network (`draft_network`: layer skipping, a separate draft model), it sees every
+step's rows after the target's forward (`DraftNetwork.mirror`), and the sequences the scheduler
+marks draft at the end of the step, on this thread (loop/early_exit.py); their drafts travel
+back in the StepResult.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup, SlidingWindowSpec
 from daemon.kv.tier_ops import CacheOps, RestoreOp
 from daemon.loop.constraint import Constraint, allocate_bitmask, apply_bitmask
-from daemon.loop.early_exit import Drafted, DraftRows, draft_passes
+from daemon.loop.early_exit import Drafted, DraftNetwork, DraftRows, draft_passes
 from daemon.loop.request import SamplingParams, TokenLogprob
 from daemon.loop.sampler import (
     PenaltyState,
@@ -43,12 +45,11 @@ from daemon.loop.sampler import (
     target_logprobs,
 )
 from daemon.loop.scheduler import ScheduledSeq, SchedulerStep
-from daemon.loop.spec.layerskip import EarlyDraft
+from daemon.loop.spec.device_drafter import EarlyDraft
 from daemon.loop.spec.rejection import verify
 from daemon.models.base import (
     AttentionMetadata,
     DecodeGraphs,
-    EarlyExitModel,
     Model,
     ModelCache,
     RequestState,
@@ -149,7 +150,7 @@ class PreparedStep:
     restores: list[tuple[RestoreOp, list[list[int]]]]  # with the request's block tables
     verify: VerifyRows | None = None  # sequences with drafts (None: none)
     num_samples: int = 0  # sampling sequences, with drafts or not
-    drafting: DraftRows | None = None  # sequences that draft at the end (layer skipping)
+    drafting: DraftRows | None = None  # sequences that draft at the end (a draft network)
 
 
 @dataclass
@@ -174,7 +175,7 @@ class StepResult:
     accepted_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     rolled_back: list[int | None] = field(default_factory=list)
     # per sampling sequence (empty: none drafted): the drafts made after its token on the
-    # device (layer skipping), None for a sequence that made none
+    # device (a draft network), None for a sequence that made none
     drafts: list[EarlyDraft | None] = field(default_factory=list)
 
 
@@ -191,16 +192,14 @@ class ModelRunner:
         decode_graphs: bool = False,
         after_forward: Callable[[], None] | None = None,
         spec_tokens: int = 0,
-        draft_layers: int = 0,
+        draft_network: Callable[[ModelCache], DraftNetwork] | None = None,
     ) -> None:
         """`decode_graphs`: ask the model for its decode graphs (CUDA graphs on cuda, a
         compiled forward on a CPU; a model may have none). `after_forward`: called on the
         device thread after each forward (the MoE load statistics). `spec_tokens`: the most
-        drafts a request verifies in a step (0: no speculative decoding). `draft_layers`: layer
-        skipping drafts through the model's first this many layers (0: it does not)."""
-        if draft_layers and not isinstance(model, EarlyExitModel):
-            raise ValueError("layer skipping needs a model that can exit early (EarlyExitModel)")
-        self.draft_layers = draft_layers
+        drafts a request verifies in a step (0: no speculative decoding). `draft_network`: makes
+        the network the marked sequences draft through over the target's cache, once this has
+        allocated it (None: the runner does not draft)."""
         self.model = model
         self.device = device
         # draft rows as one-token decodes: only where a request's whole state is paged
@@ -215,6 +214,7 @@ class ModelRunner:
         if graph_batch and self.graphs is None:  # none on this device: a cache that pads nothing
             del self.cache
             self.cache = model.allocate_cache(kv_groups, num_blocks, device, 0)
+        self.drafting: DraftNetwork | None = draft_network(self.cache) if draft_network else None
         # the same cache where the model has a sliding window: only then does the prefix cache
         # make window saves and restores
         self.window: SlidingWindowCache | None = (
@@ -338,6 +338,7 @@ class ModelRunner:
                     [list(t) for t in tables],
                     req.params,
                     seq.sample_index + 1,
+                    rows.start,
                 )
             if d:
                 probs = seq.proposal.probs if seq.proposal is not None else None
@@ -397,7 +398,7 @@ class ModelRunner:
             restores=restores,
             verify=verify.build(self.vocab_size),
             num_samples=num_samples,
-            drafting=drafting if drafting.slots and self.draft_layers else None,
+            drafting=drafting if drafting.slots and self.drafting is not None else None,
         )
 
     # ---- device side (worker thread) -------------------------------------------------------
@@ -480,6 +481,8 @@ class ModelRunner:
         hidden = self.graphs.run(input_ids, positions, attention) if self.graphs else None
         if hidden is None:
             hidden = self.model(input_ids, positions, attention, self.cache)
+        if self.drafting is not None:
+            self.drafting.mirror(input_ids, positions, attention, hidden[: input_ids.shape[0]])
         if self.after_forward is not None:
             self.after_forward()
         for slot, prompt, outputs in step.new_penalty_states:
@@ -487,7 +490,8 @@ class ModelRunner:
         prompt = self._prompt_logprobs(hidden, step) if step.prompt_spans else None
         if step.num_samples == 0:
             return None, prompt, None, None
-        logits = self.model.compute_logits(hidden[step.logits_rows.to(dev, non_blocking=True)])
+        hidden = hidden[step.logits_rows.to(dev, non_blocking=True)]
+        logits = self.model.compute_logits(hidden)
         sb = step.sampling.to(dev) if step.sampling is not None else None
         wants_logprobs = (sb is not None and sb.max_logprobs is not None) or (
             vr is not None and vr.sampling.max_logprobs is not None
@@ -502,20 +506,22 @@ class ModelRunner:
             apply_bitmask(logits, step.bitmask.to(dev, non_blocking=True), step.bitmask_rows)
         result = self._sample(logits, raw, sb, step) if sb is not None else None
         verified = self._verify(logits, raw, vr, snapshots) if vr is not None else None
-        drafted = self._draft(step.drafting, verified) if step.drafting is not None else None
+        drafted = (
+            self._draft(step.drafting, verified, hidden) if step.drafting is not None else None
+        )
         return result, prompt, verified, drafted
 
-    def _draft(self, rows: DraftRows, verified: Verified | None) -> Drafted:
-        """Layer skipping: the marked sequences' drafts after the tokens this step sampled."""
+    def _draft(self, rows: DraftRows, verified: Verified | None, hidden: torch.Tensor) -> Drafted:
+        """The marked sequences' drafts after the tokens this step sampled (`hidden`: the
+        target's rows of the step's logits)."""
+        assert self.drafting is not None
         accepted = [len(t) - 1 for t in verified.tokens] if verified is not None else []
-        model = cast(EarlyExitModel, self.model)
         return draft_passes(
-            model,
-            self.cache,
-            self.draft_layers,
+            self.drafting,
             rows,
             self.last_tokens,
             accepted,
+            hidden,
             self.generator,
             self.vocab_size,
         )

@@ -18,7 +18,7 @@ from daemon.kv.prefix import PrefixCache
 from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.spec.base import Draft
-from daemon.loop.spec.layerskip import LayerSkipDrafter
+from daemon.loop.spec.device_drafter import DeviceDrafter
 from daemon.loop.spec.speculator import Speculator
 
 log = structlog.get_logger(__name__)
@@ -151,7 +151,7 @@ class Scheduler:
             return SchedulerStep([], reads) if reads else None
         if self.speculator is not None and budget > 0:
             self._draft(self.speculator, scheduled, budget)
-        if self.speculator is not None and isinstance(self.speculator.drafter, LayerSkipDrafter):
+        if self.speculator is not None and isinstance(self.speculator.drafter, DeviceDrafter):
             self._mark_drafting(self.speculator.k, scheduled)
         scheduled.sort(key=lambda s: s.order)
         return SchedulerStep(scheduled, reads)

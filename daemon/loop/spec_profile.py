@@ -45,12 +45,13 @@ def profile(
     """Time steps over 1, 4, 16, ... `max_num_seqs` sequences of 1, 2, .. `k` + 1 tokens each
     (a few points: a decode and its drafts, verified; none past `max_num_batched_tokens`, which
     no step exceeds), and a prefill-sized step of each batch size (decodes and one chunk making
-    `max_num_batched_tokens`): host preparation included, as the engine runs a step. With
-    layer skipping (`runner.draft_layers`) every verify point also makes `k` drafts per
-    sequence at its end, as a sequence that verifies drafts does in the engine (one that
-    verifies none stops drafting): the drafting cost is in the table's verify points, so
-    choosing any draft for a sequence is charged its passes, spread over its first drafts'
-    tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
+    `max_num_batched_tokens`): host preparation included, as the engine runs a step. With a
+    draft network (`runner.drafting`: layer skipping, a draft model) every step also runs
+    its `mirror` (a draft model's forward of the step's rows) and every verify point makes
+    `k` drafts per sequence at its end, as a sequence that verifies drafts does in the engine
+    (one that verifies none stops drafting): the drafting cost is in the table's verify
+    points, so choosing any draft for a sequence is charged its passes, spread over its first
+    drafts' tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
     and restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each
     point is the median of up to `repeats` runs after an untimed one, fewer once the point has
     taken `point_seconds` (a first run that long is its own measurement); each row is then made
@@ -66,7 +67,7 @@ def profile(
         for i in range(max_num_seqs)
     ]
     try:
-        drafts = k if runner.draft_layers else 0
+        drafts = k if runner.drafting is not None else 0
         points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k, drafts)
         if not points:
             raise ValueError(f"the KV pool holds no sequence of {CONTEXT + k + 1} positions")
@@ -142,7 +143,7 @@ def _plan(
     drafts: int = 0,
 ) -> list[_Point]:
     """The grid, by batch size and then tokens, with every block it needs taken from `kv` now
-    (`drafts`: positions past the verify rows that layer-skip passes write): the decode / verify
+    (`drafts`: positions past the verify rows that draft passes write): the decode / verify
     rows of every batch size that fits first, then the prefill chunk."""
     per_seq = sorted({1, 2, k // 2 + 1, k + 1})
     seq_counts = sorted({min(4**e, max_num_seqs) for e in range(max_num_seqs.bit_length())})

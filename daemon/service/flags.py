@@ -226,7 +226,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         choices=tuple(DRAFTERS),
         help="draft tokens and verify them in the batch (default: off): ngram looks the "
         "request's last tokens up in its prompt and output, suffix also in recent requests, "
-        "layer-skip runs the model's own first layers (dense models)",
+        "layer-skip runs the model's own first layers (dense models), draft-model a "
+        "separate small model (--draft-model)",
     )
     s.add_argument(
         "--num-speculative-tokens",
@@ -240,6 +241,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=S,
         help="layer-skip: the model's first layers that draft (default: half of them)",
+    )
+    s.add_argument(
+        "--draft-model",
+        default=S,
+        metavar="PATH",
+        help="a small model with the target's tokenizer that drafts (checkpoint directory or "
+        "GGUF file; dense targets); implies --speculative draft-model",
     )
     s.add_argument(
         "--spec-policy",

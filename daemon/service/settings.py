@@ -189,6 +189,12 @@ def check(s: Settings) -> None:
         raise ConfigError("engine.num_speculative_tokens", "must be at least 1")
     if e.draft_layers < 0:
         raise ConfigError("engine.draft_layers", "must be >= 0 (0: half the model's layers)")
+    if e.draft_model and e.speculative not in (None, "draft-model"):
+        raise ConfigError(
+            "engine.draft_model", f"drafts with speculative draft-model, not {e.speculative}"
+        )
+    if e.speculative == "draft-model" and not e.draft_model:
+        raise ConfigError("engine.draft_model", "speculative draft-model needs one (a path)")
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)

@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from daemon.loop.spec.base import Drafter
-from daemon.loop.spec.layerskip import LayerSkipDrafter
+from daemon.loop.spec.device_drafter import DeviceDrafter
 from daemon.loop.spec.ngram import NgramDrafter
 from daemon.loop.spec.suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[[int], Drafter]] = {
     "ngram": lambda k: NgramDrafter(),
     "suffix": lambda k: SuffixDrafter(),
-    # the target's first layers, on the device (the runner drafts: build_engine's draft_layers)
-    "layer-skip": lambda k: LayerSkipDrafter(),
+    # drafted on the device by the runner (build_engine gives it the network): the target's
+    # first layers, or a separate small model with the target's tokenizer (--draft-model)
+    "layer-skip": lambda k: DeviceDrafter("layer-skip"),
+    "draft-model": lambda k: DeviceDrafter("draft-model"),
 }
 
 

@@ -1,6 +1,6 @@
-"""Self-drafting by layer skipping: the drafts the runner makes on the device at the end of a step
-from the target's first layers (loop/early_exit.py), handed to the speculator at the next
-schedule if they still follow the request's known tokens."""
+"""Drafts the runner makes on the device at the end of a step (layer skipping, a separate draft
+model: loop/early_exit.py), handed to the speculator at the next schedule if they still follow
+the request's known tokens."""
 
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ class EarlyDraft:
 
 
 @dataclass
-class LayerSkipDrafter:
+class DeviceDrafter:
     """Proposes what the runner drafted after the request's last step (the scheduler marks the
-    requests to draft for: those whose next decode will take drafts)."""
+    requests to draft for: those whose next decode will take drafts). `name`: the network that
+    drafts (`layer-skip`, `draft-model`), for the stats."""
 
-    name: str = "layer-skip"
+    name: str
     _drafts: dict[str, EarlyDraft] = field(default_factory=dict)
 
     def receive(self, req: Request, early: EarlyDraft) -> None:
@@ -45,7 +46,7 @@ class LayerSkipDrafter:
         return Draft(d.tokens[:k], d.confidence[:k], probs)
 
     def observe(self, req: Request, draft: Draft, accepted: int) -> None:
-        """Nothing to learn: the confidences are the draft model's own probabilities (the
+        """Nothing to learn: the confidences are the draft network's own probabilities (the
         policy calibrates them)."""
 
     def finished(self, req: Request) -> None:
