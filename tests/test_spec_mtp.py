@@ -1,27 +1,68 @@
 """DeepSeek-V4's MTP layer as a drafter, on a tiny random V4 (window 8, compression every 4 and 8
 tokens) whose checkpoint has `mtp.0.*` tensors under DeepSeek's names: the layer built from
-them, its cached (chunked, token by token, batched) forward equal to a full recompute."""
+them, its cached (chunked, token by token, batched) forward equal to a full recompute, its
+state through rejected drafts; and `--speculative mtp` in the engine: greedy output equal to
+no speculation beside a request that does not speculate, the V4 state after each rollback
+that of a run that never drafted, overlap after a prefix hit, and the startup errors."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from daemon.build.startup import StartupError
+from daemon.loop.request import SamplingParams
 from daemon.models.base import SeqSlice
 from daemon.models.checkpoints import add_v4_mtp_tensors
 from daemon.models.deepseek_v4.batch import V4Batch, V4SeqMeta
 from daemon.models.deepseek_v4.mtp import MTPCache, MTPDraftNetwork, MTPLayer, build_mtp
 from daemon.models.loader import load_model
-from tests.checkpoints import make_v4_checkpoint
+from tests.checkpoints import make_dense_checkpoint, make_v4_checkpoint
+from tests.test_spec_v4 import collect, record_states, started
 
 VOCAB = 512
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PENALISED = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+# the tensors that write into the residual streams (attention and expert outputs)
+WRITERS = ("wo_b.weight", "w2.weight")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return add_v4_mtp_tensors(make_v4_checkpoint(tmp_path_factory.mktemp("v4-mtp")))
+
+
+@pytest.fixture(scope="module")
+def drafting(tmp_path_factory) -> Path:
+    """A V4 whose layers write little into the residual streams (x0.01), so that its next
+    token is mostly a function of the current one, and an MTP layer that mostly predicts from
+    its token's embedding the same way (identity e_proj, the target's final norm, a small
+    h_proj): its drafts are accepted often and rejected often."""
+    path = add_v4_mtp_tensors(make_v4_checkpoint(tmp_path_factory.mktemp("v4-mtp-drafting")))
+    model = load_file(str(path / "model.safetensors"))
+    mtp = load_file(str(path / "mtp.safetensors"))
+    for tensors in (model, mtp):
+        for name in tensors:
+            if name.endswith(WRITERS):
+                tensors[name] = tensors[name] * 0.01
+    d = mtp["mtp.0.e_proj.weight"].shape[0]
+    mtp["mtp.0.e_proj.weight"] = torch.eye(d)
+    mtp["mtp.0.h_proj.weight"] = mtp["mtp.0.h_proj.weight"] * 0.01
+    mtp["mtp.0.enorm.weight"] = torch.ones(d)
+    mtp["mtp.0.norm.weight"] = model["model.norm.weight"].clone()
+    save_file(model, str(path / "model.safetensors"))
+    save_file(mtp, str(path / "mtp.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (5, 14, 30)]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +222,86 @@ def test_build_mtp_refuses_a_checkpoint_without_its_tensors(tmp_path):
     target = load_model(path, torch.device("cpu"), torch.float32).model
     with pytest.raises(ValueError, match=r"no mtp\.0\.\* tensors"):
         build_mtp(target)
+
+
+# ---- the engine: --speculative mtp ---------------------------------------------------------
+
+
+PARAMS = [GREEDY, PENALISED, GREEDY]
+
+
+@pytest.fixture(scope="module")
+def plain_run(drafting, prompts) -> tuple[list[list[int]], dict]:
+    """The prompts without speculation (the second with penalties), and each request's V4
+    state after each step."""
+
+    async def run() -> tuple[list[list[int]], dict]:
+        engine = await started(drafting)
+        try:
+            states = record_states(engine)
+            outs = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, PARAMS)))
+        finally:
+            await engine.stop()
+        return list(outs), states
+
+    return asyncio.run(run())
+
+
+async def test_greedy_equal_and_rollback_leaves_no_trace(drafting, prompts, plain_run):
+    """A fresh engine (the same blocks, in the same order as the plain run's) drafting with
+    the MTP layer, every draft verified (fixed policy)."""
+    plain, plain_states = plain_run
+    engine = await started(
+        drafting, speculative="mtp", spec_policy="fixed", num_speculative_tokens=4
+    )
+    rolled: list[int] = []
+    verified = engine.scheduler.verified
+
+    def noting(seq, accepted, state_at):
+        if state_at is not None:
+            rolled.append(state_at)
+        verified(seq, accepted, state_at)
+
+    engine.scheduler.verified = noting
+    try:
+        spec_states = record_states(engine)
+        drafted = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, PARAMS)))
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert drafted == plain
+    assert stats["spec_drafter"] == "mtp"
+    accepted, verified_n = stats["spec_accepted_tokens"], stats["spec_draft_tokens"]
+    assert 0 < accepted < verified_n  # drafts both taken and rejected
+    assert len({p % 4 for p in rolled}) >= 2  # rollbacks at several compression phases
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    common = set(spec_states) & set(plain_states)
+    assert [key for key in common if key[1] in rolled]  # states right after a rollback
+    for key in common:
+        for a, b in zip(spec_states[key], plain_states[key], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+async def test_greedy_equal_with_overlap_after_a_prefix_hit(drafting, prompts, plain_run):
+    """Overlap on, the same engine twice: the second run resumes the prompts from the prefix
+    cache (the MTP state there is stale: acceptance may drop, the output may not)."""
+    engine = await started(
+        drafting, overlap=True, speculative="mtp", spec_policy="fixed", num_speculative_tokens=3
+    )
+    try:
+        first = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, PARAMS)))
+        again = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, PARAMS)))
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert list(first) == plain_run[0] and list(again) == plain_run[0]
+    assert stats["prefix_hit_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_mtp_needs_a_v4_checkpoint_with_its_tensors(tmp_path):
+    with pytest.raises(StartupError, match=r"speculative mtp: .*no mtp\.0\.\* tensors"):
+        await started(make_v4_checkpoint(tmp_path / "plain"), speculative="mtp")
+    dense = make_dense_checkpoint(tmp_path / "dense")
+    with pytest.raises(StartupError, match="speculative mtp: the model has no MTP layers"):
+        await started(dense, speculative="mtp")

@@ -87,6 +87,14 @@ class MTPCache:
         )
         return cls(cfg, rings, ring, hidden, swa_group)
 
+    @staticmethod
+    def bytes_per_request(cfg: V4Config, dtype: torch.dtype, positions_kept: int) -> int:
+        """Device bytes of one request's state (a ring and the streams kept)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return (
+            ring_size(cfg) * cfg.head_dim + positions_kept * cfg.hc_mult * cfg.hidden_size
+        ) * item
+
     def build_attention(self, seqs: list[SeqSlice]) -> V4Batch:
         """The metadata of one-token draft passes (or any slices) over these rings."""
         metas = [
