@@ -21,7 +21,10 @@ from daemon.models.checkpoints import add_v4_mtp_tensors
 from daemon.models.deepseek_v4.batch import V4Batch, V4SeqMeta
 from daemon.models.deepseek_v4.mtp import MTPCache, MTPDraftNetwork, MTPLayer, build_mtp
 from daemon.models.loader import load_model
-from tests.checkpoints import make_dense_checkpoint, make_v4_checkpoint
+from tests.checkpoints import load_reference, make_dense_checkpoint, make_v4_checkpoint
+from tests.spec_doubles import run_all, tokens
+from tests.test_spec_draftmodel import lumped
+from tests.test_spec_rejection import chi_square_ok
 from tests.test_spec_v4 import collect, record_states, started
 
 VOCAB = 512
@@ -305,3 +308,41 @@ async def test_mtp_needs_a_v4_checkpoint_with_its_tensors(tmp_path):
     dense = make_dense_checkpoint(tmp_path / "dense")
     with pytest.raises(StartupError, match="speculative mtp: the model has no MTP layers"):
         await started(dense, speculative="mtp")
+
+
+SAMPLE_VOCAB = 8
+SAMPLED = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+
+
+async def test_sampled_tokens_are_distributed_as_the_target(tmp_path):
+    """The first two output tokens of many sampled requests: the second is the MTP layer's
+    draft (random weights), taken or redrawn by rejection sampling; their joint counts fit the
+    target's p(t1) p(t2 | t1), computed by transformers."""
+    path = add_v4_mtp_tensors(make_v4_checkpoint(tmp_path / "v4", vocab_size=SAMPLE_VOCAB))
+    prompt, n = [2, 5, 3], 512
+    engine = await started(
+        path,
+        speculative="mtp",
+        spec_policy="fixed",
+        num_speculative_tokens=2,
+        max_num_seqs=128,
+        kv_cache_memory_gb=0.05,
+    )
+    try:
+        outs = await run_all(engine, [prompt] * n, [SAMPLED] * n)
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    pairs = torch.tensor([t[0] * SAMPLE_VOCAB + t[1] for t in map(tokens, outs)])
+    ref = load_reference(path)
+    with torch.no_grad():
+        p1 = ref(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        follow = [ref(torch.tensor([prompt + [t]])).logits[0, -1] for t in range(SAMPLE_VOCAB)]
+        p2 = torch.stack(follow).softmax(-1)
+    joint = (p1[:, None] * p2).flatten()
+    counts = torch.bincount(pairs, minlength=SAMPLE_VOCAB**2)
+    assert chi_square_ok(*lumped(counts, joint, n))
+    # the test can fail: the target's first token with a uniform second does not fit
+    uniform = (p1[:, None] * torch.full_like(p2, 1 / SAMPLE_VOCAB)).flatten()
+    assert not chi_square_ok(*lumped(counts, uniform, n))
