@@ -302,3 +302,31 @@ def test_draft_model_alone_turns_speculation_on(checkpoint, early):
     spec = engine.scheduler.speculator
     assert spec is not None and spec.drafter.name == "draft-model"
     assert isinstance(engine.runner.drafting, DraftModel)
+
+
+async def test_stale_draft_kv_costs_acceptance_not_output(checkpoint, prompts, reference):
+    """The draft's KV overwritten with noise between two rounds (as blocks the prefix cache
+    brings back from the host tier or the store leave it: only the target's KV is moved): the
+    second round's prompts hit the device cache, the drafts over them go wrong, the output
+    stays the target's."""
+    n = 12
+    some, params = [prompts[1], prompts[3]], [SamplingParams(max_tokens=n, temperature=0.0)] * 2
+    engine = await started(checkpoint, draft_model=str(checkpoint))
+    try:
+        first = await run_all(engine, some, params)
+        before = engine.stats()
+        g = torch.Generator().manual_seed(0)
+        for k, v in engine.runner.drafting.cache.layers:
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+        again = await run_all(engine, some, params)
+        after = engine.stats()
+    finally:
+        await engine.stop()
+    plain = [reference[0][0][i][:n] for i in (1, 3)]  # greedy: the longer run's first tokens
+    assert [tokens(o) for o in first] == [tokens(o) for o in again] == plain
+    assert after["prefix_hit_tokens"] > before["prefix_hit_tokens"]
+    assert before["spec_accepted_tokens"] == before["spec_draft_tokens"]  # its own drafts
+    verified = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert verified > 0 and accepted < verified
