@@ -17,6 +17,8 @@ from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
+from daemon.build.mtp import mtp_layer, mtp_network
+from daemon.build.mtp import state_bytes as mtp_state_bytes
 from daemon.build.paths import compile_cache_dir
 from daemon.build.startup import StartupError, failing_as
 from daemon.kv.block_store import BlockStore
@@ -40,6 +42,7 @@ from daemon.loop.spec.speculator import Speculator
 from daemon.loop.spec.stats import SpecStats
 from daemon.loop.spec_profile import profile
 from daemon.models.base import EarlyExitModel, Model, ModelCache
+from daemon.models.deepseek_v4.mtp import MTPLayer
 from daemon.models.gguf_checkpoint.reader import find_gguf
 from daemon.models.loader import ModelLoadError, checkpoint_dtype, load_model, read_config
 from daemon.models.rope import UnsupportedRope
@@ -78,6 +81,9 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         max_model_len = _bounded_by_draft(draft[0], max_model_len)
         # the draft's cache has as many blocks as the target's: the budget pays for both
         kv_memory = int(kv_memory * _share(groups, draft[1]))
+    mtp = _mtp(cfg, model) if cfg.speculative == "mtp" else None
+    if mtp is not None:
+        kv_memory -= mtp_state_bytes(mtp, cfg.num_speculative_tokens, cfg.max_num_seqs)
     with failing_as("KV cache", KVBudgetTooSmall):
         num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
@@ -88,6 +94,8 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
     moe = moe_controller(cfg, model, device)
     draft_layers = _draft_layers(cfg, model) if cfg.speculative == "layer-skip" else 0
     network = _draft_network(model, draft_layers, draft, num_blocks, device)
+    if mtp is not None:
+        network = mtp_network(mtp, groups, num_blocks, device, cfg.num_speculative_tokens)
     runner = ModelRunner(
         model,
         groups,
@@ -255,6 +263,13 @@ def _draft_network(
             draft_model, draft_model.allocate_cache(draft_groups, num_blocks, device, 0)
         )
     return None
+
+
+def _mtp(cfg: EngineConfig, model: Model) -> MTPLayer:
+    """`--speculative mtp`: the model's MTP layer (its experts on every rank: no EP)."""
+    if cfg.ep_size > 1:
+        raise StartupError("speculative mtp: not with expert parallelism (ep_size > 1)")
+    return mtp_layer(model)
 
 
 def _draft_layers(cfg: EngineConfig, model: Model) -> int:

@@ -137,6 +137,57 @@ def make_v4_checkpoint(
     return path
 
 
+def add_v4_mtp_tensors(path: Path, seed: int = 0, weight_scale: float = 0.2) -> Path:
+    """Add random `mtp.0.*` tensors to the V4 checkpoint in `path` (a file of their own), under
+    DeepSeek's original names: the MTP layer's norms, projections and head hyper-connection,
+    and a sliding-window block with a score-routed MoE (no compressor: as V4-Flash ships it).
+    Scales as `make_v4_checkpoint`'s: norms and hyper-connection scales near 1."""
+    from daemon.models.deepseek_v4.config import V4Config
+
+    cfg = V4Config.from_hf(json.loads((path / "config.json").read_text()))
+    d, hc, heads, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_heads, cfg.head_dim
+    inter, mix = cfg.moe_intermediate_size, (2 + cfg.hc_mult) * cfg.hc_mult
+    shapes: dict[str, tuple[int, ...]] = {
+        "enorm.weight": (d,),
+        "hnorm.weight": (d,),
+        "e_proj.weight": (d, d),
+        "h_proj.weight": (d, d),
+        "norm.weight": (d,),
+        "hc_head_fn": (hc, hc * d),
+        "hc_head_base": (hc,),
+        "hc_head_scale": (1,),
+        "attn_norm.weight": (d,),
+        "ffn_norm.weight": (d,),
+        "attn.wq_a.weight": (cfg.q_lora_rank, d),
+        "attn.q_norm.weight": (cfg.q_lora_rank,),
+        "attn.wq_b.weight": (heads * hd, cfg.q_lora_rank),
+        "attn.wkv.weight": (hd, d),
+        "attn.kv_norm.weight": (hd,),
+        "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups),
+        "attn.wo_b.weight": (d, cfg.o_groups * cfg.o_lora_rank),
+        "attn.attn_sink": (heads,),
+        "ffn.gate.weight": (cfg.num_experts, d),
+        "ffn.gate.bias": (cfg.num_experts,),
+        "ffn.shared_experts.w1.weight": (inter, d),
+        "ffn.shared_experts.w3.weight": (inter, d),
+        "ffn.shared_experts.w2.weight": (d, inter),
+    }
+    for which in ("attn", "ffn"):
+        shapes |= {f"hc_{which}_fn": (mix, hc * d), f"hc_{which}_base": (mix,)}
+        shapes[f"hc_{which}_scale"] = (3,)
+    for e in range(cfg.num_experts):
+        for w, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            shapes[f"ffn.experts.{e}.{w}.weight"] = shape
+    g = torch.Generator().manual_seed(seed + 2)
+    tensors = {}
+    for name, shape in shapes.items():
+        near_one = name.endswith(("norm.weight", "_scale"))
+        t = torch.randn(shape, generator=g)
+        tensors[f"mtp.0.{name}"] = 1 + 0.1 * t if near_one else weight_scale * t
+    save_file(tensors, str(path / "mtp.safetensors"))
+    return path
+
+
 def make_own_v4_checkpoint(path: Path, hf_config: dict, seed: int = 0) -> Path:
     """Save a DeepSeek-V4 initialised by our own model (no transformers needed) under HF names:
     config.json and model.safetensors in `path`; returns `path`."""

@@ -227,7 +227,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="draft tokens and verify them in the batch (default: off): ngram looks the "
         "request's last tokens up in its prompt and output, suffix also in recent requests, "
         "layer-skip runs the model's own first layers (dense models), draft-model a "
-        "separate small model (--draft-model)",
+        "separate small model (--draft-model), mtp DeepSeek-V4's MTP layer (checkpoints with "
+        "mtp.* tensors)",
     )
     s.add_argument(
         "--num-speculative-tokens",

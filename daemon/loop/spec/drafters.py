@@ -16,6 +16,8 @@ DRAFTERS: dict[str, Callable[[int], Drafter]] = {
     # first layers, or a separate small model with the target's tokenizer (--draft-model)
     "layer-skip": lambda k: DeviceDrafter("layer-skip"),
     "draft-model": lambda k: DeviceDrafter("draft-model"),
+    # DeepSeek-V4's MTP layer (build_engine gives the runner its network)
+    "mtp": lambda k: DeviceDrafter("mtp"),
 }
 
 

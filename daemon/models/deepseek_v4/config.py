@@ -44,6 +44,8 @@ class V4Config:
     max_position_embeddings: int
     num_mtp_layers: int
     scoring_func: str
+    # the MTP layers' attention kind: the config's entry past the last layer's, if it has one
+    mtp_layer_type: str = SLIDING
 
     @property
     def csa_rate(self) -> int:
@@ -72,6 +74,7 @@ class V4Config:
             layer_types = [_RATE_TO_TYPE[r] for r in c["compress_ratios"]]
         if layer_types is None:
             layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mtp_type = layer_types[n] if len(layer_types) > n else SLIDING
         layer_types = list(layer_types[:n])
         bad = sorted(set(layer_types) - {SLIDING, CSA, HCA})
         if bad:
@@ -119,6 +122,7 @@ class V4Config:
             max_position_embeddings=c.get("max_position_embeddings", 1048576),
             num_mtp_layers=c.get("num_nextn_predict_layers", 0),
             scoring_func=scoring,
+            mtp_layer_type=mtp_type,
         )
 
 
