@@ -234,6 +234,26 @@ def test_calibrator_converges_to_the_observed_rate() -> None:
     assert json.dumps([b.as_dict() for b in cal.table()])  # the benchmark report's form
 
 
+def test_calibrator_follows_a_shift_in_traffic() -> None:
+    # 20,000 positions at raw 0.97 accepted 97 % of the time (editing), then chat's at the same
+    # raw confidence accepted 80 %: a few hundred of chat's must move the estimate there
+    cal = Calibrator()
+    rng = random.Random(4)
+    for rate, n in ((0.97, 20000), (0.80, 600)):
+        for _ in range(n):
+            cal.observe([0.97], 1, int(rng.random() < rate))
+    assert cal.calibrate(0.97) == pytest.approx(0.80, abs=0.05)
+    (row,) = [b for b in cal.table() if b.trials]
+    assert row.trials == 20600  # the report keeps every outcome
+    forever = Calibrator(memory=1.0)
+    for rate, n in ((0.97, 20000), (0.80, 600)):
+        for _ in range(n):
+            forever.observe([0.97], 1, int(rng.random() < rate))
+    assert forever.calibrate(0.97) > 0.95  # without forgetting, the old traffic decides
+    with pytest.raises(ValueError, match="memory"):
+        Calibrator(memory=0.0)
+
+
 def test_calibrator_counts_only_tested_positions() -> None:
     cal = Calibrator(num_bins=4)
     cal.observe([0.1, 0.3, 0.6, 0.9], 4, 1)  # 0.1 accepted, 0.3 rejected, the rest untested

@@ -43,15 +43,23 @@ class CalibrationBin:
 
 class Calibrator:
     """Maps a raw confidence c to an acceptance probability: in c's bin, (accepted + prior * c)
-    / (trials + prior), so it starts at the raw value and converges to the observed rate."""
+    / (trials + prior) over counts that decay by `memory` per outcome in the bin, so it starts
+    at the raw value, converges to the observed rate and follows it when traffic shifts (a bin
+    weighs about its last 1 / (1 - memory) outcomes: one kind of request must not set what
+    another is expected to accept). The table reports lifetime counts."""
 
-    def __init__(self, num_bins: int = 20, prior: float = 16.0) -> None:
+    def __init__(self, num_bins: int = 20, prior: float = 16.0, memory: float = 0.995) -> None:
         if num_bins < 1:
             raise ValueError("a calibrator needs at least one bin")
         if prior <= 0:
             raise ValueError("the calibration prior must be > 0")
+        if not 0.0 < memory <= 1.0:
+            raise ValueError("the calibration memory must be in (0, 1]")
         self.num_bins = num_bins
         self.prior = prior
+        self.memory = memory
+        self.recent_trials = [0.0] * num_bins  # decayed counts: what calibrate uses
+        self.recent_accepted = [0.0] * num_bins
         self.trials = [0] * num_bins
         self.accepted = [0] * num_bins
         self.confidence_sum = [0.0] * num_bins
@@ -63,11 +71,12 @@ class Calibrator:
     def calibrate(self, confidence: float) -> float:
         c = min(max(confidence, 0.0), 1.0)
         b = self._bin(c)
-        return (self.accepted[b] + self.prior * c) / (self.trials[b] + self.prior)
+        return (self.recent_accepted[b] + self.prior * c) / (self.recent_trials[b] + self.prior)
 
     def calibrate_all(self, confidence: list[float]) -> list[float]:
         """`calibrate` of each (the policy's per-step call, so with its lookups hoisted)."""
-        n, prior, trials, accepted = self.num_bins, self.prior, self.trials, self.accepted
+        n, prior = self.num_bins, self.prior
+        trials, accepted = self.recent_trials, self.recent_accepted
         out = []
         for c in confidence:
             c = 0.0 if c < 0.0 else 1.0 if c > 1.0 else c
@@ -84,6 +93,9 @@ class Calibrator:
             c = min(max(confidence[j], 0.0), 1.0)
             b = self._bin(c)
             self.calibrated_sum[b] += self.calibrate(c)
+            m = self.memory
+            self.recent_trials[b] = self.recent_trials[b] * m + 1.0
+            self.recent_accepted[b] = self.recent_accepted[b] * m + float(j < accepted)
             self.trials[b] += 1
             self.accepted[b] += int(j < accepted)
             self.confidence_sum[b] += c
