@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import torch
+
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
@@ -94,3 +96,10 @@ async def run_all(
 
 def tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
+
+
+def first_pair_counts(outputs: list[list[RequestOutput]], vocab: int) -> torch.Tensor:
+    """How often each (first, second) output token pair came, flattened [vocab * vocab]: for a
+    chi-square against p(t1) p(t2 | t1)."""
+    pairs = torch.tensor([t[0] * vocab + t[1] for t in map(tokens, outputs)])
+    return torch.bincount(pairs, minlength=vocab * vocab)

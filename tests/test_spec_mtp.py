@@ -22,10 +22,10 @@ from daemon.models.deepseek_v4.batch import V4Batch, V4SeqMeta
 from daemon.models.deepseek_v4.mtp import MTPCache, MTPDraftNetwork, MTPLayer, build_mtp
 from daemon.models.loader import load_model
 from tests.checkpoints import load_reference, make_dense_checkpoint, make_v4_checkpoint
-from tests.spec_doubles import run_all, tokens
+from tests.spec_doubles import first_pair_counts, run_all
 from tests.test_spec_draftmodel import lumped
 from tests.test_spec_rejection import chi_square_ok
-from tests.test_spec_v4 import collect, record_states, started
+from tests.test_spec_v4 import collect, record_rollbacks, record_states, started
 
 VOCAB = 512
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -257,15 +257,7 @@ async def test_greedy_equal_and_rollback_leaves_no_trace(drafting, prompts, plai
     engine = await started(
         drafting, speculative="mtp", spec_policy="fixed", num_speculative_tokens=4
     )
-    rolled: list[int] = []
-    verified = engine.scheduler.verified
-
-    def noting(seq, accepted, state_at):
-        if state_at is not None:
-            rolled.append(state_at)
-        verified(seq, accepted, state_at)
-
-    engine.scheduler.verified = noting
+    rolled = record_rollbacks(engine)
     try:
         spec_states = record_states(engine)
         drafted = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, PARAMS)))
@@ -334,14 +326,13 @@ async def test_sampled_tokens_are_distributed_as_the_target(tmp_path):
     finally:
         await engine.stop()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-    pairs = torch.tensor([t[0] * SAMPLE_VOCAB + t[1] for t in map(tokens, outs)])
+    counts = first_pair_counts(outs, SAMPLE_VOCAB)
     ref = load_reference(path)
     with torch.no_grad():
         p1 = ref(torch.tensor([prompt])).logits[0, -1].softmax(-1)
         follow = [ref(torch.tensor([prompt + [t]])).logits[0, -1] for t in range(SAMPLE_VOCAB)]
         p2 = torch.stack(follow).softmax(-1)
     joint = (p1[:, None] * p2).flatten()
-    counts = torch.bincount(pairs, minlength=SAMPLE_VOCAB**2)
     assert chi_square_ok(*lumped(counts, joint, n))
     # the test can fail: the target's first token with a uniform second does not fit
     uniform = (p1[:, None] * torch.full_like(p2, 1 / SAMPLE_VOCAB)).flatten()

@@ -60,24 +60,28 @@ def survivals_of(policy: AdaptivePolicy, candidates: list[Candidate]) -> list[li
     return out
 
 
+def random_case(rng: random.Random) -> tuple[int, int, list[Candidate], int, int]:
+    """k, up to 3 candidates with drafts of 0..k+1 tokens, the step's sequences and tokens."""
+    k, n = rng.randint(1, 4), rng.randint(1, 3)
+    candidates = [
+        Candidate(
+            f"r{i}",
+            [rng.random() ** rng.choice((0.3, 1, 3)) for _ in range(rng.randint(0, k + 1))],
+            rng.randint(0, k + 1),
+        )
+        for i in range(n)
+    ]
+    num_seqs = n + rng.randint(0, 3)
+    return k, n, candidates, num_seqs, num_seqs + rng.randint(0, 40)
+
+
 # ---- adaptive policy ----------------------------------------------------------------------
 
 
 def test_adaptive_matches_brute_force_over_all_length_vectors() -> None:
     rng = random.Random(0)
     for case in range(300):
-        k = rng.randint(1, 4)
-        n = rng.randint(1, 3)
-        candidates = [
-            Candidate(
-                f"r{i}",
-                [rng.random() ** rng.choice((0.3, 1, 3)) for _ in range(rng.randint(0, k + 1))],
-                rng.randint(0, k + 1),
-            )
-            for i in range(n)
-        ]
-        num_seqs = n + rng.randint(0, 3)
-        num_tokens = num_seqs + rng.randint(0, 40)
+        k, n, candidates, num_seqs, num_tokens = random_case(rng)
         cost = TableCost(
             {t: rng.uniform(0.5, 3.0) for t in range(num_tokens, num_tokens + n * k + 1)}
             if case % 2
@@ -102,17 +106,7 @@ def test_adaptive_with_a_skipped_step_is_near_the_brute_force_best() -> None:
     rng = random.Random(3)
     ratios = []
     for case in range(600):
-        k, n = rng.randint(1, 4), rng.randint(1, 3)
-        candidates = [
-            Candidate(
-                f"r{i}",
-                [rng.random() ** rng.choice((0.3, 1, 3)) for _ in range(rng.randint(0, k + 1))],
-                rng.randint(0, k + 1),
-            )
-            for i in range(n)
-        ]
-        num_seqs = n + rng.randint(0, 3)
-        num_tokens = num_seqs + rng.randint(0, 40)
+        k, n, candidates, num_seqs, num_tokens = random_case(rng)
         cost = LinearCost(rng.uniform(0.5, 2.0), rng.uniform(0.0, 0.1))
         policy = AdaptivePolicy(k, cost, Calibrator(), skip_tokens=1.0)
         got = policy.choose(candidates, num_seqs, num_tokens)

@@ -66,6 +66,20 @@ def record_states(engine: Engine) -> dict[tuple[tuple[int, ...], int], list[torc
     return states
 
 
+def record_rollbacks(engine: Engine) -> list[int]:
+    """The position each verify rolled its request's state back to (where it rolled back)."""
+    rolled: list[int] = []
+    verified = engine.scheduler.verified
+
+    def noting(seq, accepted, state_at):
+        if state_at is not None:
+            rolled.append(state_at)
+        verified(seq, accepted, state_at)
+
+    engine.scheduler.verified = noting
+    return rolled
+
+
 def read_part(cache, tensors: list[torch.Tensor], position: int) -> list[torch.Tensor]:
     """The state a next step reads: the rings whole (each layer's, first), and of each
     compressor's open-window buffers only the rows of the positions in that window so far
@@ -95,15 +109,7 @@ async def test_greedy_equal_and_rollback_leaves_no_trace(checkpoint, prompts):
     reference = {tuple(p): t for p, t in zip(prompts, plain)}
     drafter = OracleDrafter(reference, VOCAB)
     speculate(engine, drafter, k=4)
-    rolled: list[int] = []
-    verified = engine.scheduler.verified
-
-    def noting(seq, accepted, state_at):
-        if state_at is not None:
-            rolled.append(state_at)
-        verified(seq, accepted, state_at)
-
-    engine.scheduler.verified = noting
+    rolled = record_rollbacks(engine)
     try:
         spec_states = record_states(engine)
         drafted = await asyncio.gather(*(collect(engine, p, sp) for p, sp in zip(prompts, params)))
