@@ -203,6 +203,11 @@ async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter, po
     assert [tokens(o) for o in first] == [tokens(o) for o in again] == [tokens(o) for o in plain]
     assert stats["spec_drafts"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if policy == "adaptive":  # the engine's measured steps correct the profiled table
+        corrections = stats["spec_cost_corrections"]
+        assert corrections and all(c["weight"] > 0 for c in corrections)
+    else:
+        assert "spec_cost_corrections" not in stats
 
 
 async def test_verify_rows_run_in_the_compiled_decode_forward(checkpoint, prompts):

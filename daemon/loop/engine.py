@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -57,6 +58,7 @@ class Inflight:
     ops: CacheOps
     future: asyncio.Future
     launched: asyncio.Future | None = None  # resolved once its work is queued on the device
+    prepare_seconds: float = 0.0  # the loop thread's `ModelRunner.prepare`
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Callable[[], None]:
@@ -334,11 +336,13 @@ class Engine:
                             step = None
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
                 if step is not None:
+                    started = time.perf_counter()
                     prepared = self.runner.prepare(step, self.kv, ops)
+                    prepared_in = time.perf_counter() - started
                     launched = loop.create_future() if signal else None
                     args = (prepared, _resolver(loop, launched)) if launched else (prepared,)
                     future = loop.run_in_executor(self._executor, self.runner.execute, *args)
-                    inflight.append(Inflight(step, ops, future, launched))
+                    inflight.append(Inflight(step, ops, future, launched, prepared_in))
                     self.steps += 1
                 elif ops:
                     future = loop.run_in_executor(
@@ -357,6 +361,7 @@ class Engine:
                     if prefix is not None:
                         prefix.completed(done.ops)
                     if done.step is not None:
+                        self._timed(done.step, done.prepare_seconds + result.seconds)
                         self._process(done.step, result)
                 elif not inflight:
                     self._wakeup.clear()
@@ -422,6 +427,14 @@ class Engine:
             elif drafted is not None:
                 self._drafted(req, drafted)
         self._wakeup.set()
+
+    def _timed(self, step: SchedulerStep, seconds: float) -> None:
+        """A step's measured time, for the speculator's cost (chunk-free steps only: the
+        policy moves drafts, not chunks)."""
+        spec = self.scheduler.speculator
+        if spec is None or any(not s.is_decode and not s.draft for s in step.seqs):
+            return
+        spec.observe_step(sum(s.num_tokens for s in step.seqs), len(step.seqs), seconds)
 
     def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
         """Drafts the runner made after this step's token (on the device), for the drafter."""

@@ -22,6 +22,7 @@ back in the StepResult.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -216,6 +217,7 @@ class StepResult:
     # per sampling sequence (empty: none drafted): the drafts made after its token on the
     # device (a draft network), None for a sequence that made none
     drafts: list[EarlyDraft | None] = field(default_factory=list)
+    seconds: float = 0.0  # the device thread's time in `execute`
 
 
 class ModelRunner:
@@ -485,7 +487,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: PreparedStep, launched: Callable[[], None] | None = None) -> StepResult:
         """Run one step; `launched` is called once all of its work is queued on the device,
-        before this thread blocks on it (on a CPU: once it is done)."""
+        before this thread blocks on it (on a CPU: once it is done). Timed: `seconds`."""
+        started = time.perf_counter()
+        result = self._step(step, launched)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _step(self, step: PreparedStep, launched: Callable[[], None] | None) -> StepResult:
         if self.stream is None:
             result, prompt, verified, drafted = self._execute(step)
             if launched is not None:

@@ -75,6 +75,11 @@ class SpecPolicy(Protocol):
         """A verified draft's outcome (`confidence` as proposed): calibration data."""
         ...
 
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """A step without prefill chunks ran `num_tokens` rows (drafts included) over
+        `num_seqs` sequences in `seconds` (host preparation and device): cost data."""
+        ...
+
     def calibration(self) -> list[dict[str, float | int | None]]:
         """Its calibration so far, bin by bin: the raw confidences' range (lo, hi), positions
         tested (trials), accepted, their confidence_sum, expected and observed acceptance."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from daemon.loop.spec.base import Candidate, SpecPolicy, StepCost
 from daemon.loop.spec.calibration import Calibrator
 from daemon.loop.spec.cost import CostTable
+from daemon.loop.spec.online_cost import MeasuredCost
 
 POLICIES = ("fixed", "adaptive")
 
@@ -30,6 +31,9 @@ class FixedPolicy:
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """Step times do not change a fixed length."""
 
     def calibration(self) -> list[dict[str, float | int | None]]:
         return [b.as_dict() for b in self.calibrator.table()]
@@ -115,6 +119,11 @@ class AdaptivePolicy:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
 
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """A chunk-free step's measured time, to a cost that learns from it."""
+        if isinstance(self.cost, MeasuredCost):
+            self.cost.observe(num_tokens, num_seqs, seconds)
+
     def calibration(self) -> list[dict[str, float | int | None]]:
         return [b.as_dict() for b in self.calibrator.table()]
 
@@ -158,13 +167,16 @@ def build_policy(
     name: str, k: int, cost: StepCost | None = None, overlap: bool = False
 ) -> SpecPolicy:
     """The policy `name` (one of POLICIES) verifying at most `k` drafts per candidate;
-    "adaptive" weighs drafts against `cost` (a `CostTable` brings its rollback term) and, under
-    the overlap loop (`overlap`), the step a verifying sequence sits out."""
+    "adaptive" weighs drafts against `cost` (a `CostTable` brings its rollback term, and is
+    corrected online by the steps the engine measures: `MeasuredCost`) and, under the overlap
+    loop (`overlap`), the step a verifying sequence sits out."""
     if name == "fixed":
         return FixedPolicy(k)
     if name == "adaptive":
         if cost is None:
             raise ValueError("the adaptive spec policy needs a step-cost table")
-        rollback = cost.rollback_seconds if isinstance(cost, CostTable) else 0.0
+        rollback = 0.0
+        if isinstance(cost, CostTable):
+            rollback, cost = cost.rollback_seconds, MeasuredCost(cost)
         return AdaptivePolicy(k, cost, rollback_seconds=rollback, skip_tokens=float(overlap))
     raise ValueError(f"unknown spec policy {name!r}: choose one of {', '.join(POLICIES)}")

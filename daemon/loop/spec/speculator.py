@@ -69,13 +69,21 @@ class Speculator:
         self.policy.observe(proposal.confidence, verified, accepted)
         self.stats.on_verified(verified, accepted)
 
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """A chunk-free step's measured time: to the policy's cost."""
+        self.policy.observe_step(num_tokens, num_seqs, seconds)
+
     def finished(self, req: Request) -> None:
         self.drafter.finished(req)
 
     def as_dict(self) -> dict[str, object]:
         """The counters and the policy's calibration (bins a draft position has reached)."""
         bins = [b for b in self.policy.calibration() if b["trials"]]
-        return self.stats.as_dict() | {"spec_calibration": bins}
+        out = self.stats.as_dict() | {"spec_calibration": bins}
+        corrections = getattr(getattr(self.policy, "cost", None), "corrections", None)
+        if corrections is not None:
+            out["spec_cost_corrections"] = corrections()
+        return out
 
 
 def _cut(draft: Draft, limit: int) -> Draft:
