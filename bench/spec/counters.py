@@ -40,6 +40,8 @@ class SpecCounters:
     accepted: list[int] = field(default_factory=list)
     bins: list[Bin] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # every `spec` counter sample
+    # the adaptive policy's online step-cost corrections at the span's end (/health)
+    costs: list[dict[str, float]] = field(default_factory=list)
 
     @staticmethod
     def of(metrics: dict[str, float], health: dict[str, Any]) -> SpecCounters:
@@ -51,6 +53,8 @@ class SpecCounters:
         c.verified = _by_position(total, BY_POSITION["verified"])
         c.accepted = _by_position(total, BY_POSITION["accepted"])
         c.bins = _bins(health)
+        corrections = health.get("spec_cost_corrections")
+        c.costs = list(corrections) if isinstance(corrections, list) else []
         return c
 
     def minus(self, before: SpecCounters) -> SpecCounters:
@@ -64,6 +68,7 @@ class SpecCounters:
             o = old.get((b.lo, b.hi), Bin(b.lo, b.hi))
             out.bins.append(Bin(b.lo, b.hi, *(getattr(b, f) - getattr(o, f) for f in BIN_FIELDS)))
         out.metrics = {k: v - before.metrics.get(k, 0.0) for k, v in self.metrics.items()}
+        out.costs = self.costs
         return out
 
     def plus(self, other: SpecCounters) -> SpecCounters:
@@ -85,6 +90,7 @@ class SpecCounters:
             k: self.metrics.get(k, 0.0) + other.metrics.get(k, 0.0)
             for k in self.metrics.keys() | other.metrics.keys()
         }
+        out.costs = other.costs or self.costs
         return out
 
     @property
@@ -122,6 +128,7 @@ class SpecCounters:
         for attr in TOTALS:
             setattr(c, attr, d[attr])
         c.verified, c.accepted = list(d["verified"]), list(d["accepted"])
+        c.costs = list(d.get("costs") or [])
         c.bins = [Bin(b["lo"], b["hi"], *(b.get(f, 0) for f in BIN_FIELDS)) for b in d["bins"]]
         return c
 
