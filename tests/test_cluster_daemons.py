@@ -1,6 +1,6 @@
 """HTTP discovery between real daemon processes: a prefill and a decode node register with a
-seed peer and heartbeat their load; the seed restarting, a node SIGKILLed (its lease lapses) and
-a node SIGTERMed (it leaves at once)."""
+seed peer and heartbeat their load; the seed restarting, a node frozen (SIGSTOP) or SIGKILLed
+(its lease lapses) and a node SIGTERMed (it leaves at once)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,19 @@ def test_registry_restart_nodes_register_again(cluster: dict) -> None:
     after = nodes(seed.url)
     assert after["p0"]["epoch"] == epochs["p0"]  # the same processes
     assert after["u0"]["epoch"] > epochs["u0"]  # the seed itself restarted
+
+
+def test_frozen_node_lapses_then_comes_back(cluster: dict) -> None:
+    seed, p0 = cluster["seed"].url, cluster["p0"]
+    until(lambda: "p0" in nodes(seed), timeout=10)
+    epoch = nodes(seed)["p0"]["epoch"]
+    p0.proc.send_signal(signal.SIGSTOP)  # no heartbeat leaves it
+    try:
+        until(lambda: "p0" not in nodes(seed), timeout=LEASE_S + 2)
+    finally:
+        p0.proc.send_signal(signal.SIGCONT)
+    until(lambda: "p0" in nodes(seed), timeout=LEASE_S)  # forgotten: it registers again
+    assert nodes(seed)["p0"]["epoch"] == epoch
 
 
 def test_sigkill_lease_lapses(cluster: dict) -> None:
