@@ -168,5 +168,12 @@ def test_sigterm_leaves_at_once(cluster: dict) -> None:
     d0: Proc = cluster["d0"]
     assert d0.proc is not None
     d0.proc.send_signal(signal.SIGTERM)
-    until(lambda: "d0" not in nodes(seed), timeout=1.0)  # before its lease could lapse
+    until(lambda: "d0" not in nodes(seed), timeout=1.5)
     assert d0.proc.wait(timeout=20) == 0
+    # it said so (DELETE), rather than its lease lapsing
+    left = [
+        json.loads(line)
+        for line in cluster["seed"].log.read_text().splitlines()
+        if "node_left" in line
+    ]
+    assert [e["node_id"] for e in left] == ["d0"]

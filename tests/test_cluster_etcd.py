@@ -1,6 +1,7 @@
-"""etcd discovery against a real etcd on loopback: daemon processes keep their NodeInfo under
-/deepinfer/nodes/<id> on a lease; a router-side EtcdPeerFeed sees them come, lapse (SIGKILL)
-and leave (SIGTERM); a lease lost meanwhile is taken again; a dead etcd holds nobody up."""
+"""etcd discovery against a real etcd on loopback: a daemon keeps its NodeInfo under
+/deepinfer/nodes/<id> on a lease; a router-side EtcdPeerFeed sees it come, lapse (frozen),
+come back with a new lease and leave (SIGTERM); a lease revoked under a live announcer is taken
+again; a dead etcd holds nobody up."""
 
 from __future__ import annotations
 
@@ -30,27 +31,18 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 @pytest.fixture(scope="module")
-def etcd_nodes(
+def etcd_node(
     etcd: Etcd, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Proc]]:
-    logs = tmp_path_factory.mktemp("etcd-cluster-logs")
-    procs = {
-        name: Proc(
-            free_port(),
-            node_args(tiny_model_dir, "--role", role, "--discovery", etcd.url, "--node-id", name),
-            logs / f"{name}.log",
-        )
-        for name, role in (("ep0", "prefill"), ("ed0", "decode"))
-    }
-    for p in procs.values():
-        p.start()
+) -> Iterator[Proc]:
+    log = tmp_path_factory.mktemp("etcd-cluster-logs") / "ed0.log"
+    args = node_args(
+        tiny_model_dir, "--role", "decode", "--discovery", etcd.url, "--node-id", "ed0"
+    )
+    proc = Proc(free_port(), args, log).start()
     try:
-        for p in procs.values():
-            p.wait()
-        yield procs
+        yield proc.wait()
     finally:
-        for p in procs.values():
-            p.stop(signal.SIGKILL)
+        proc.stop(signal.SIGKILL)
 
 
 async def _until(check: Callable[[], bool], timeout: float) -> float:
@@ -65,28 +57,32 @@ def _ids(peers: PeerSet) -> set[str]:
     return {n.node_id for n in peers.live()}
 
 
-async def test_daemons_in_etcd_lapse_and_leave(etcd: Etcd, etcd_nodes: dict[str, Proc]) -> None:
+async def test_a_daemon_in_etcd_lapses_returns_and_leaves(etcd: Etcd, etcd_node: Proc) -> None:
     peers = PeerSet()
     feed = EtcdPeerFeed(peers, etcd.host, etcd.port, LEASE_S)
     await feed.start()
+    assert etcd_node.proc is not None
     try:
-        await _until(lambda: {"ep0", "ed0"} <= _ids(peers), timeout=10)
-        p0, d0 = peers.get("ep0"), peers.get("ed0")
-        assert (p0.role, d0.role) == ("prefill", "decode")
-        assert p0.fingerprint == d0.fingerprint and p0.url == etcd_nodes["ep0"].url
+        await _until(lambda: "ed0" in _ids(peers), timeout=10)
+        d0 = peers.get("ed0")
+        assert d0.role == "decode" and d0.url == etcd_node.url and len(d0.fingerprint) == 64
         assert d0.load["kv_blocks_free"] == d0.capacity["kv_blocks"] > 0
         async with aetcd.Client(etcd.host, etcd.port, timeout=2) as client:
-            kv = await client.get(node_key("ep0"))
+            kv = await client.get(node_key("ed0"))
             assert kv is not None and kv.lease != 0  # on a lease
-            assert NodeInfo.from_json(orjson.loads(kv.value)).node_id == "ep0"
-        etcd_nodes["ep0"].stop(signal.SIGKILL)
-        gone = await _until(lambda: "ep0" not in _ids(peers), timeout=LEASE_S + 4)
-        assert gone > 0.3 and "ed0" in _ids(peers)
-        d0_proc = etcd_nodes["ed0"].proc
-        assert d0_proc is not None
-        d0_proc.send_signal(signal.SIGTERM)
-        await _until(lambda: "ed0" not in _ids(peers), timeout=1.5)  # revoked, not lapsed
-        assert await asyncio.to_thread(d0_proc.wait, 20) == 0
+            assert NodeInfo.from_json(orjson.loads(kv.value)) == d0
+        etcd_node.proc.send_signal(signal.SIGSTOP)  # as good as dead: no keepalive
+        try:
+            gone = await _until(lambda: "ed0" not in _ids(peers), timeout=LEASE_S + 4)
+        finally:
+            etcd_node.proc.send_signal(signal.SIGCONT)
+        assert gone > 0.3  # its lease lapsed in etcd
+        # thawed, it finds its lease gone and takes a new one
+        await _until(lambda: "ed0" in _ids(peers), timeout=LEASE_S + 2)
+        etcd_node.proc.send_signal(signal.SIGTERM)
+        await _until(lambda: "ed0" not in _ids(peers), timeout=1.5)
+        assert await asyncio.to_thread(etcd_node.proc.wait, 20) == 0
+        assert '"left_etcd"' in etcd_node.log.read_text()  # revoked, not lapsed
     finally:
         await feed.stop()
 
