@@ -13,6 +13,8 @@ from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.http.config import ServerConfig
 from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.build.paths import default_store_dir
+from daemon.cluster.config import ClusterConfig
+from daemon.cluster.node import ROLES
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import DAY, DEFAULT_RETENTION_S
 from daemon.loop.spec.drafters import DRAFTERS
@@ -106,7 +108,57 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="a stored response goes this long after its last use (default "
         f"{_default(ServerConfig, 'response_store_ttl_s')})",
     )
+    add_cluster_flags(p)
     add_engine_flags(p)
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """[cluster]: the node's role and how it finds its peers."""
+    c = p.add_argument_group("cluster (prefill/decode disaggregation)")
+    c.add_argument(
+        "--role",
+        default=S,
+        choices=ROLES,
+        help="unified (default): a node on its own; prefill / decode: a disaggregated node that "
+        "registers with its peers; router: no model, serves the APIs through the nodes",
+    )
+    c.add_argument(
+        "--peers",
+        default=S,
+        type=_url_list,
+        metavar="URL[,URL]",
+        help="registries this node registers with and heartbeats (the router, seed peers)",
+    )
+    c.add_argument(
+        "--discovery",
+        default=S,
+        help="http (default: register with --peers) | etcd://HOST:PORT (keys under "
+        "/deepinfer/nodes/, on a lease)",
+    )
+    c.add_argument(
+        "--advertise-url",
+        default=S,
+        help="the base URL peers reach this node at (default http://HOST:PORT)",
+    )
+    c.add_argument("--node-id", default=S, help="default: <role>-<hostname>-<port>")
+    c.add_argument(
+        "--lease-s",
+        type=float,
+        default=S,
+        help="a node not heard from this long leaves the set; it heartbeats every third of it "
+        f"(default {_default(ClusterConfig, 'lease_s')})",
+    )
+    c.add_argument(
+        "--handoff-timeout-s",
+        type=float,
+        default=S,
+        help="a KV handoff not done by then is recomputed on the decode node (default "
+        f"{_default(ClusterConfig, 'handoff_timeout_s')})",
+    )
+
+
+def _url_list(text: str) -> list[str]:
+    return [u.strip() for u in text.split(",") if u.strip()]
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -297,10 +349,11 @@ def overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if dest in _RENAMED:
             section, key, convert = _RENAMED[dest]
             out[section][key] = convert(value)
-        elif dest in keys["engine"]:
-            out["engine"][dest] = value
-        elif dest in keys["server"]:
-            out["server"][dest] = value
+        else:
+            for section in ("engine", "server", "cluster"):
+                if dest in keys[section]:
+                    out[section][dest] = value
+                    break
     return out
 
 

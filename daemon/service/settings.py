@@ -2,7 +2,7 @@
 environment variables, overridden by command-line flags; checked before anything starts.
 
     [engine]   EngineConfig (build.config)      [server]   ServerConfig (api.http.config)
-    [logging]  LogConfig (service.logs)
+    [logging]  LogConfig (service.logs)         [cluster]  ClusterConfig (cluster.config)
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
 from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
+from daemon.cluster.config import NODE_ID, ClusterConfig, base_url, etcd_endpoint
+from daemon.cluster.node import ROLES
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.spec.drafters import DRAFTERS
@@ -36,13 +38,16 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     logging: logs.LogConfig = field(default_factory=logs.LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "server": ServerConfig,
     "logging": logs.LogConfig,
+    "cluster": ClusterConfig,
 }
+_WILDCARDS = ("0.0.0.0", "::", "")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -155,7 +160,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
 
 def _parse_text(name: str, text: str, hint: Any) -> Any:
     args = typing.get_args(hint)
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    # list[str]'s args are its items' type: only an optional's are unwrapped
+    base = next((a for a in args if a is not type(None)), hint) if type(None) in args else hint
     if typing.get_origin(base) is list:
         return [t.strip() for t in text.split(",") if t.strip()]
     if type(None) in args and text == "":
@@ -244,6 +250,45 @@ def check(s: Settings) -> None:
             raise ConfigError(f"server.{key}", "must not be negative")
     if sv.response_store_ttl_s <= 0:
         raise ConfigError("server.response_store_ttl_s", "must be positive")
+    _check_cluster(s.cluster, sv)
+
+
+def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
+    _choice("cluster.role", c.role, ROLES)
+    try:
+        etcd = etcd_endpoint(c.discovery)
+    except ValueError as err:
+        raise ConfigError("cluster.discovery", str(err)) from None
+    for url in c.peers:
+        try:
+            base_url(url)
+        except ValueError as err:
+            raise ConfigError("cluster.peers", str(err)) from None
+    if c.advertise_url is not None:
+        try:
+            base_url(c.advertise_url)
+        except ValueError as err:
+            raise ConfigError("cluster.advertise_url", str(err)) from None
+    if c.node_id is not None and not NODE_ID.match(c.node_id):
+        raise ConfigError(
+            "cluster.node_id", f"{c.node_id!r}: letters, digits, '.', '_', '-' (at most 128)"
+        )
+    if c.lease_s < 1:
+        raise ConfigError("cluster.lease_s", "must be at least 1 (seconds)")
+    if c.handoff_timeout_s <= 0:
+        raise ConfigError("cluster.handoff_timeout_s", "must be positive")
+    if c.role in ("prefill", "decode") and etcd is None and not c.peers:
+        raise ConfigError(
+            "cluster.peers",
+            f"a {c.role} node registers somewhere: give the router's URL (--peers) or "
+            "--discovery etcd://HOST:PORT",
+        )
+    registers = c.role in ("prefill", "decode") or (c.role == "unified" and (c.peers or etcd))
+    if registers and sv.host in _WILDCARDS and c.advertise_url is None:
+        raise ConfigError(
+            "cluster.advertise_url",
+            f"server.host {sv.host!r} is no address peers can reach: give --advertise-url",
+        )
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

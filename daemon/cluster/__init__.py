@@ -1,0 +1,1 @@
+"""A cluster of daemons: node identity and roles, the peer set, discovery (HTTP and etcd)."""

@@ -1,0 +1,121 @@
+"""[cluster] settings: the flags, the file and the environment; bad values name their key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.cluster.config import ClusterConfig, advertise_url, etcd_endpoint, node_id
+from daemon.service.cli import build_parser
+from daemon.service.flags import settings_from
+from daemon.service.settings import ConfigError, load_settings
+from tests.daemons import ROOT
+
+
+def _settings(*flags: str):
+    return settings_from(build_parser().parse_args(["serve", *flags]))
+
+
+def test_defaults_and_flags() -> None:
+    c = _settings().cluster
+    assert (c.role, c.peers, c.discovery, c.lease_s, c.handoff_timeout_s) == (
+        "unified",
+        [],
+        "http",
+        6.0,
+        30.0,
+    )
+    c = _settings(
+        "--role",
+        "prefill",
+        "--peers",
+        "http://127.0.0.1:8000, http://10.0.0.2:8000/",
+        "--advertise-url",
+        "http://10.0.0.3:8101",
+        "--node-id",
+        "p0",
+        "--lease-s",
+        "3",
+        "--handoff-timeout-s",
+        "5",
+    ).cluster
+    assert c.role == "prefill" and c.peers == ["http://127.0.0.1:8000", "http://10.0.0.2:8000/"]
+    assert (c.advertise_url, c.node_id, c.lease_s, c.handoff_timeout_s) == (
+        "http://10.0.0.3:8101",
+        "p0",
+        3.0,
+        5.0,
+    )
+    assert _settings("--role", "decode", "--discovery", "etcd://127.0.0.1:2379").cluster.discovery
+    assert _settings("--role", "router").cluster.role == "router"
+    with pytest.raises(SystemExit):  # argparse: not a role
+        build_parser().parse_args(["serve", "--role", "encoder"])
+
+
+def test_file_and_environment(tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text('[cluster]\nrole = "decode"\npeers = ["http://127.0.0.1:8000"]\nlease_s = 4\n')
+    s = load_settings(path)
+    assert s.cluster.role == "decode" and s.cluster.lease_s == 4.0
+    env = {
+        "DEEPINFER_CLUSTER_PEERS": "http://127.0.0.1:8000,http://127.0.0.1:8001",
+        "DEEPINFER_CLUSTER_NODE_ID": "d7",
+    }
+    s = load_settings(path, env)
+    assert s.cluster.peers == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert s.cluster.node_id == "d7"
+
+
+@pytest.mark.parametrize(
+    ("flags", "key"),
+    [
+        (["--role", "prefill"], "cluster.peers"),  # registers nowhere
+        (["--role", "decode", "--peers", "127.0.0.1:8000"], "cluster.peers"),
+        (["--discovery", "zookeeper://x:1"], "cluster.discovery"),
+        (["--discovery", "etcd://127.0.0.1"], "cluster.discovery"),
+        (["--node-id", "a/b"], "cluster.node_id"),
+        (["--lease-s", "0.5"], "cluster.lease_s"),
+        (["--handoff-timeout-s", "0"], "cluster.handoff_timeout_s"),
+        (["--advertise-url", "ftp://x"], "cluster.advertise_url"),
+        (
+            ["--role", "prefill", "--peers", "http://127.0.0.1:8000", "--host", "0.0.0.0"],
+            "cluster.advertise_url",
+        ),
+    ],
+)
+def test_bad_values_name_the_key(flags: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _settings(*flags)
+
+
+def test_serve_refuses_bad_cluster_flags() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon", "serve", "--role", "decode"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "cluster.peers" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_derived_addresses() -> None:
+    assert etcd_endpoint("http") is None
+    assert etcd_endpoint("etcd://127.0.0.1:2379") == ("127.0.0.1", 2379)
+    cfg = ClusterConfig(role="decode")
+    assert advertise_url(cfg, "127.0.0.1", 8101) == "http://127.0.0.1:8101"
+    assert advertise_url(cfg, "::1", 8101) == "http://[::1]:8101"
+    cfg = ClusterConfig(role="decode", advertise_url="http://d0.internal:80/")
+    assert advertise_url(cfg, "0.0.0.0", 8101) == "http://d0.internal:80"
+    assert node_id(ClusterConfig(role="prefill"), 8101).startswith("prefill-")
+    assert node_id(ClusterConfig(node_id="p0"), 8101) == "p0"
+
+
+@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0"])
+def test_example_settings_per_role(name: str) -> None:
+    s = load_settings(ROOT / "systemd" / f"{name}.toml")
+    assert s.cluster.role == name.rstrip("0")
