@@ -386,7 +386,8 @@ class Engine:
         try:
             self._enqueue(req)
             export = await done
-            self._finish(req, FinishReason.LENGTH)
+            if not req.finished:
+                self._finish(req, FinishReason.LENGTH)
         finally:
             self._exporting.pop(req.request_id, None)
             if not req.finished:
