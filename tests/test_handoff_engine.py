@@ -143,7 +143,7 @@ def all_free(engine: Engine) -> bool:
 async def settled(*engines: Engine) -> None:
     """Until nothing runs, waits or moves and every block is back (a few seconds at most)."""
     for _ in range(500):
-        if all(not e.requests and not e._transfers and all_free(e) for e in engines):
+        if all(not e.requests and not e.handoffs.pending and all_free(e) for e in engines):
             return
         await asyncio.sleep(0.01)
     raise AssertionError([e.stats() for e in engines])
@@ -153,16 +153,19 @@ async def test_handoff_decodes_as_a_unified_engine(engines: Engines, family: str
     p, d, u = engines.prefill, engines.decode, engines.unified
     prompts = [prompt(i, n) for i, n in enumerate(LENGTHS[family])]
     want = [await run(u, ids) for ids in prompts]
-    before = d.handoff.imported, p.handoff.exported
+    before = d.handoffs.stats.imported, p.handoffs.stats.exported
     sources = [EngineSource(p, f"{family}-h{i}") for i in range(len(prompts))]
     # together: the prefill engine batches the exports, the decode engine the imports
     got = await asyncio.gather(*(run(d, ids, source=s) for ids, s in zip(prompts, sources)))
     assert got == want
     short = sum(len(ids) < 2 for ids in prompts)
-    assert d.handoff.imported - before[0] == len(prompts) - short
-    assert p.handoff.exported - before[1] == len(prompts) - short
-    assert d.handoff.bytes_imported > 0 and d.handoff.bytes_imported == p.handoff.bytes_exported
-    assert sum(d.handoff.recomputed.values()) == 0
+    assert d.handoffs.stats.imported - before[0] == len(prompts) - short
+    assert p.handoffs.stats.exported - before[1] == len(prompts) - short
+    assert (
+        d.handoffs.stats.bytes_imported > 0
+        and d.handoffs.stats.bytes_imported == p.handoffs.stats.bytes_exported
+    )
+    assert sum(d.handoffs.stats.recomputed.values()) == 0
     # the keys a router would match: the prompt's full blocks, this engine's hash chain
     assert [len(s.block_keys) for s in sources] == [len(ids) // engines.block for ids in prompts]
     await settled(p, d)
@@ -235,8 +238,8 @@ async def test_failed_fetches_are_computed_locally(engines: Engines, family: str
     p, d, u = engines.prefill, engines.decode, engines.unified
     ids = prompt(50, 26)
     want = await run(u, ids, SHORT)
-    before = dict(d.handoff.recomputed)
-    imported = d.handoff.imported
+    before = dict(d.handoffs.stats.recomputed)
+    imported = d.handoffs.stats.imported
     sources = [
         Raising(HandoffFailed("bad checksum")),
         Raising(TimeoutError()),
@@ -247,36 +250,36 @@ async def test_failed_fetches_are_computed_locally(engines: Engines, family: str
     # one at a time: V4 reserves a per-request block too, of which there are max_num_seqs
     got = [await run(d, ids, SHORT, s) for s in sources]
     hanging = Gated()  # never let through: the deadline ends it
-    d.handoff_timeout_s = 0.3
+    d.handoffs.timeout_s = 0.3
     try:
         got.append(await run(d, ids, SHORT, hanging))
         sources.append(hanging)
     finally:
-        d.handoff_timeout_s = 30.0
+        d.handoffs.timeout_s = 30.0
     assert got == [want] * len(sources)
     assert hanging.cancelled
-    counted = {r: n - before.get(r, 0) for r, n in d.handoff.recomputed.items()}
+    counted = {r: n - before.get(r, 0) for r, n in d.handoffs.stats.recomputed.items()}
     expected = {"failed": 1, "timeout": 2, "connection": 1, "error": 1, "layout": len(MISFITS)}
     assert {r: n for r, n in counted.items() if n} == expected
-    assert d.handoff.imported == imported
+    assert d.handoffs.stats.imported == imported
     # a one-token prompt has nothing to move; prompt logprobs are computed here
     unused = Raising(HandoffFailed("unused"))
     assert await run(d, [5], SHORT, unused) == await run(u, [5], SHORT)
     lp = replace(SHORT, prompt_logprobs=1)
     assert await run(d, ids, lp, unused) == await run(u, ids, lp)
-    assert d.handoff.recomputed["short_prompt"] - before.get("short_prompt", 0) == 1
-    assert d.handoff.recomputed["prompt_logprobs"] - before.get("prompt_logprobs", 0) == 1
+    assert d.handoffs.stats.recomputed["short_prompt"] - before.get("short_prompt", 0) == 1
+    assert d.handoffs.stats.recomputed["prompt_logprobs"] - before.get("prompt_logprobs", 0) == 1
     await settled(p, d)
 
     text = generate_latest(engines.metrics.registry).decode()
     assert 'deepinfer:kv_handoff_total{result="recomputed"}' in text
     assert (
-        f'deepinfer:kv_handoff_recomputed_total{{reason="layout"}} {float(d.handoff.recomputed["layout"])}'
+        f'deepinfer:kv_handoff_recomputed_total{{reason="layout"}} {float(d.handoffs.stats.recomputed["layout"])}'
         in text
     )
     assert 'deepinfer:kv_handoff_bytes_total{direction="imported"}' in text
     stats = d.stats()
-    assert stats["kv_handoff_recomputed"] == sum(d.handoff.recomputed.values())
+    assert stats["kv_handoff_recomputed"] == sum(d.handoffs.stats.recomputed.values())
 
 
 async def test_abort_during_the_fetch_gives_the_blocks_back(engines: Engines, family: str) -> None:
