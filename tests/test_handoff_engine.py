@@ -327,3 +327,31 @@ async def test_cancelled_export_gives_the_prefill_blocks_back(
     with pytest.raises(RequestRejected):
         await p.prefill_export([3], f"{family}-one")
     await settled(p)
+
+
+async def test_no_room_to_reserve_computes_locally(engines: Engines, family: str) -> None:
+    """While the pool has no room for the prompt's blocks the handoff waits, until its deadline;
+    then the request computes its prompt here once blocks come back."""
+    p, d, u = engines.prefill, engines.decode, engines.unified
+    await settled(p, d)
+    ids = prompt(80, 20)
+    want = await run(u, ids, SHORT)
+    before = d.handoffs.stats.recomputed["no_room"]
+    hog = "hog"  # another holder of every paged block
+    assert d.kv.grow(hog, d.kv.capacity_tokens())
+    gated = Gated(EngineSource(p, f"{family}-room"))
+    gated.gate.set()
+    d.handoffs.timeout_s = 0.2
+    try:
+        task = asyncio.create_task(run(d, ids, SHORT, gated))
+        for _ in range(300):
+            if d.handoffs.stats.recomputed["no_room"] > before:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        d.handoffs.timeout_s = 30.0
+        d.kv.free(hog)
+    assert await task == want
+    assert d.handoffs.stats.recomputed["no_room"] == before + 1
+    assert not gated.started.is_set()
+    await settled(p, d)
