@@ -15,7 +15,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -27,6 +27,8 @@ from daemon.kv.request_state import PrefixState
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.handoff import KVSource
+from daemon.loop.handoffs import Handoffs
 from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
@@ -40,6 +42,8 @@ from daemon.loop.request import (
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
 from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
+from daemon.loop.transfer import KVTransfer
+from daemon.models.base import KVExport
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -58,6 +62,7 @@ class Inflight:
     ops: CacheOps
     future: asyncio.Future
     launched: asyncio.Future | None = None  # resolved once its work is queued on the device
+    transfers: list[KVTransfer] = field(default_factory=list)  # handoff imports and exports
     prepare_seconds: float = 0.0  # the loop thread's `ModelRunner.prepare`
 
 
@@ -97,11 +102,14 @@ class Engine:
         sweep_interval_s: float = 300.0,
         moe: MoEControl | None = None,
         observer: RequestObserver | None = None,
+        handoff_timeout_s: float = 30.0,
     ) -> None:
         """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
         reads before admissions and flushes and closes on stop; `sweeper` expires the store's
         files every `sweep_interval_s`; `moe`: the MoE controller, for administration;
-        `observer`: told of each request's tokens and end (the metrics)."""
+        `observer`: told of each request's tokens and end (the metrics); `handoff_timeout_s`:
+        the most a KV handoff (reserving blocks, fetching, importing) may take before the
+        request computes its prompt here instead."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -131,6 +139,15 @@ class Engine:
         self.error: BaseException | None = None
         self.failed = asyncio.Event()  # set with `error`: the loop is gone, the process must go
         self.observer = observer
+        self.handoffs = Handoffs(
+            kv,
+            runner.cache,
+            prefix,
+            handoff_timeout_s,
+            admit=self._admit_imported,
+            compute=self._enqueue,
+            wake=self._wake,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -145,7 +162,11 @@ class Engine:
             self._sweep_task = asyncio.create_task(self._sweep_store(), name="kv-store-gc")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._sweep_task, *self._loads) if t is not None]
+        tasks = [
+            t
+            for t in (self._task, self._sweep_task, *self._loads, *self.handoffs.tasks.values())
+            if t is not None
+        ]
         for task in tasks:
             task.cancel()
         # a failed loop's error is `self.error`, logged when it failed: stopping goes on
@@ -169,7 +190,24 @@ class Engine:
         priority: int = 0,
         traffic_class: str = "chat",
         cache_salt: bytes = b"",
+        kv_source: KVSource | None = None,
     ) -> Request:
+        """A request to generate for; with `kv_source` its prompt's KV state is fetched from
+        there first (the decode side of a handoff), else, or if that fails, computed here."""
+        self._check(prompt_ids, params)
+        req = self._new_request(prompt_ids, params, request_id, priority, traffic_class, cache_salt)
+        if kv_source is None:
+            self._enqueue(req)
+        elif len(prompt_ids) < 2 or params.prompt_logprobs is not None:
+            # nothing to move, or each prompt position's logits are wanted here
+            self.handoffs.recompute(
+                req, "short_prompt" if len(prompt_ids) < 2 else "prompt_logprobs"
+            )
+        else:
+            self.handoffs.start_import(req, kv_source)
+        return req
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.error is not None:
             raise RuntimeError("the engine loop has failed") from self.error
         if not prompt_ids:
@@ -191,6 +229,16 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestRejected(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
+
+    def _new_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        traffic_class: str,
+        cache_salt: bytes,
+    ) -> Request:
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             prompt_ids=list(prompt_ids),
@@ -205,6 +253,10 @@ class Engine:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token has none
         self.requests[req.request_id] = req
         self.outputs.add(req)
+        return req
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the scheduler's queue, after reading what the block store has of its prefix."""
         prefix = self.prefix
         store_keys = prefix.store_keys(req) if prefix is not None else []
         if store_keys:
@@ -212,7 +264,6 @@ class Engine:
         else:
             self.scheduler.add(req)
             self._wakeup.set()
-        return req
 
     def _start_load(self, read: StoreRead) -> None:
         read.request.status = RequestStatus.LOADING
@@ -234,6 +285,56 @@ class Engine:
         prefix.receive(req, keys, payloads)
         self.scheduler.add(req)
         self._wakeup.set()
+
+    # ---- KV handoff ---------------------------------------------------------------------
+
+    def _admit_imported(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._wakeup.set()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    async def prefill_export(
+        self,
+        prompt_ids: list[int],
+        request_id: str,
+        cache_salt: bytes = b"",
+        traffic_class: str = "chat",
+    ) -> KVExport:
+        """The prefill side of a handoff: compute positions [0, len - 1) of the prompt (prefix
+        cache hits used as for any request), export their KV state to the host and release
+        the request (its full blocks stay in the prefix cache and go to the store as for any
+        finished request). Cancelling it frees everything the request holds. Raises
+        RequestRejected for a prompt this engine cannot take, HandoffFailed if the request
+        is aborted (the engine stops or fails) or its export fails."""
+        if len(prompt_ids) < 2:
+            raise RequestRejected("a KV handoff needs a prompt of at least 2 tokens", "prompt")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self._check(prompt_ids, params)
+        # the last token is the decode side's: the request's prompt stops before it, and its
+        # one sample is never used (the engine exports instead, see `_prefilled`)
+        req = self._new_request(prompt_ids[:-1], params, request_id, 0, traffic_class, cache_salt)
+        done = self.handoffs.expect_export(req.request_id)
+        export: KVExport | None = None
+        try:
+            self._enqueue(req)
+            export = await done
+            if not req.finished:
+                self._finish(req, FinishReason.LENGTH)
+        finally:
+            self.handoffs.exported(req.request_id, export)
+            if not req.finished:
+                self.abort(req.request_id)
+        return export
+
+    def _prefilled(self, req: Request) -> None:
+        """An export's request has computed its prompt: park it (blocks kept) and read them."""
+        if req.status != RequestStatus.RUNNING:
+            req.num_sampled_scheduled = 0  # preempted while its last chunk ran: computes again
+            return
+        self.scheduler.park(req)
+        self.handoffs.export(req, [list(t) for t in self.kv.block_tables(req.request_id)])
 
     async def _sweep_store(self) -> None:
         loop = asyncio.get_running_loop()
@@ -272,6 +373,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             log.info("request_aborted", request_id=request_id, output_tokens=len(req.output_ids))
+            self.handoffs.abort(request_id)
             self._finish(req, FinishReason.ABORT)
             self.outputs.emit_abort(req)
 
@@ -297,6 +399,7 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "loading": len(self._loads),
+                "kv_handoffs_in_flight": self.handoffs.in_flight,
                 "kv_blocks_total": sum(u.num_blocks for u in usage),
                 "kv_blocks_free": sum(u.num_free for u in usage),
                 "steps": self.steps,
@@ -304,6 +407,7 @@ class Engine:
             | (prefix.snapshot_stats() if prefix is not None else {})
             | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
+            | self.handoffs.stats.as_dict()
         )
 
     def _store_stats(self) -> dict[str, object]:
@@ -335,20 +439,22 @@ class Engine:
                         if not step.seqs:
                             step = None
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
+                transfers = self.handoffs.take()  # after the ops: demotions copied out first
                 if step is not None:
                     started = time.perf_counter()
                     prepared = self.runner.prepare(step, self.kv, ops)
                     prepared_in = time.perf_counter() - started
+                    prepared.transfers = transfers
                     launched = loop.create_future() if signal else None
                     args = (prepared, _resolver(loop, launched)) if launched else (prepared,)
                     future = loop.run_in_executor(self._executor, self.runner.execute, *args)
-                    inflight.append(Inflight(step, ops, future, launched, prepared_in))
+                    inflight.append(Inflight(step, ops, future, launched, transfers, prepared_in))
                     self.steps += 1
-                elif ops:
+                elif ops or transfers:
                     future = loop.run_in_executor(
-                        self._executor, self.runner.execute_cache_ops, ops
+                        self._executor, self.runner.execute_cache_ops, ops, transfers
                     )
-                    inflight.append(Inflight(None, ops, future))
+                    inflight.append(Inflight(None, ops, future, transfers=transfers))
                 if inflight and (step is None or len(inflight) > 1 or not self.overlap):
                     done = inflight.popleft()
                     result = await done.future
@@ -360,6 +466,8 @@ class Engine:
                         )
                     if prefix is not None:
                         prefix.completed(done.ops)
+                    for transfer in done.transfers:
+                        transfer.settle()
                     if done.step is not None:
                         self._timed(done.step, done.prepare_seconds + result.seconds)
                         self._process(done.step, result)
@@ -413,6 +521,9 @@ class Engine:
             sample += 1
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
+            if req.request_id in self.handoffs.exporting:
+                self._prefilled(req)  # its one sample is not an output
+                continue
             if self.observer is not None:
                 self.observer.on_token(req)
             finish = None
