@@ -113,3 +113,9 @@ def test_derived_addresses() -> None:
     assert advertise_url(cfg, "0.0.0.0", 8101) == "http://d0.internal:80"
     assert node_id(ClusterConfig(role="prefill"), 8101).startswith("prefill-")
     assert node_id(ClusterConfig(node_id="p0"), 8101) == "p0"
+
+
+@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0"])
+def test_example_settings_per_role(name: str) -> None:
+    s = load_settings(ROOT / "systemd" / f"{name}.toml")
+    assert s.cluster.role == name.rstrip("0")

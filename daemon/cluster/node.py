@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 Role = Literal["unified", "prefill", "decode", "router"]
 ROLES: tuple[str, ...] = get_args(Role)
+# this process's epoch: later starts of a node get larger ones (wall-clock nanoseconds), so
+# a peer tells a restarted node (whose KV state is gone) from the process it knew
+PROCESS_EPOCH = time.time_ns()
 
 _CAPACITY_KEYS = ("kv_blocks", "max_num_seqs")
 _LOAD_KEYS = ("running", "waiting", "kv_blocks_free")

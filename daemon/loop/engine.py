@@ -14,7 +14,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -26,6 +26,14 @@ from daemon.kv.request_state import PrefixState
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
+from daemon.loop.handoff import (
+    HandoffFailed,
+    HandoffStats,
+    KVSource,
+    LayoutMismatch,
+    check_blocks,
+    export_bytes,
+)
 from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
@@ -39,9 +47,13 @@ from daemon.loop.request import (
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
 from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
+from daemon.loop.transfer import KVExportRead, KVImport, KVTransfer
+from daemon.models.base import KVExport
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
+
+RESERVE_POLL_S = 0.005  # a handoff waiting for KV blocks to reserve looks again this often
 
 
 class RequestObserver(Protocol):
@@ -57,6 +69,7 @@ class Inflight:
     ops: CacheOps
     future: asyncio.Future
     launched: asyncio.Future | None = None  # resolved once its work is queued on the device
+    transfers: list[KVTransfer] = field(default_factory=list)  # handoff imports and exports
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Callable[[], None]:
@@ -95,11 +108,14 @@ class Engine:
         sweep_interval_s: float = 300.0,
         moe: MoEControl | None = None,
         observer: RequestObserver | None = None,
+        handoff_timeout_s: float = 30.0,
     ) -> None:
         """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
         reads before admissions and flushes and closes on stop; `sweeper` expires the store's
         files every `sweep_interval_s`; `moe`: the MoE controller, for administration;
-        `observer`: told of each request's tokens and end (the metrics)."""
+        `observer`: told of each request's tokens and end (the metrics); `handoff_timeout_s`:
+        the most a KV handoff (reserving blocks, fetching, importing) may take before the
+        request computes its prompt here instead."""
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -129,6 +145,11 @@ class Engine:
         self.error: BaseException | None = None
         self.failed = asyncio.Event()  # set with `error`: the loop is gone, the process must go
         self.observer = observer
+        self.handoff_timeout_s = handoff_timeout_s
+        self.handoff = HandoffStats()
+        self._handoffs: dict[str, asyncio.Task[None]] = {}  # request id -> its fetch and import
+        self._exporting: dict[str, asyncio.Future[KVExport]] = {}  # prefill_export's waiters
+        self._transfers: list[KVTransfer] = []  # for the device thread's next run
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -143,7 +164,11 @@ class Engine:
             self._sweep_task = asyncio.create_task(self._sweep_store(), name="kv-store-gc")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._sweep_task, *self._loads) if t is not None]
+        tasks = [
+            t
+            for t in (self._task, self._sweep_task, *self._loads, *self._handoffs.values())
+            if t is not None
+        ]
         for task in tasks:
             task.cancel()
         # a failed loop's error is `self.error`, logged when it failed: stopping goes on
@@ -167,7 +192,22 @@ class Engine:
         priority: int = 0,
         traffic_class: str = "chat",
         cache_salt: bytes = b"",
+        kv_source: KVSource | None = None,
     ) -> Request:
+        """A request to generate for; with `kv_source` its prompt's KV state is fetched from
+        there first (the decode side of a handoff), else, or if that fails, computed here."""
+        self._check(prompt_ids, params)
+        req = self._new_request(prompt_ids, params, request_id, priority, traffic_class, cache_salt)
+        if kv_source is None:
+            self._enqueue(req)
+        elif len(prompt_ids) < 2 or params.prompt_logprobs is not None:
+            # nothing to move, or each prompt position's logits are wanted here
+            self._recompute(req, "short_prompt" if len(prompt_ids) < 2 else "prompt_logprobs")
+        else:
+            self._start_handoff(req, kv_source)
+        return req
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.error is not None:
             raise RuntimeError("the engine loop has failed") from self.error
         if not prompt_ids:
@@ -189,6 +229,16 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestRejected(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
+
+    def _new_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        traffic_class: str,
+        cache_salt: bytes,
+    ) -> Request:
         req = Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             prompt_ids=list(prompt_ids),
@@ -203,6 +253,10 @@ class Engine:
             req.prompt_logprobs = [None] * len(prompt_ids)  # the first token has none
         self.requests[req.request_id] = req
         self.outputs.add(req)
+        return req
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the scheduler's queue, after reading what the block store has of its prefix."""
         prefix = self.prefix
         store_keys = prefix.store_keys(req) if prefix is not None else []
         if store_keys:
@@ -210,7 +264,6 @@ class Engine:
         else:
             self.scheduler.add(req)
             self._wakeup.set()
-        return req
 
     def _start_load(self, read: StoreRead) -> None:
         read.request.status = RequestStatus.LOADING
@@ -232,6 +285,125 @@ class Engine:
         prefix.receive(req, keys, payloads)
         self.scheduler.add(req)
         self._wakeup.set()
+
+    # ---- KV handoff ---------------------------------------------------------------------
+
+    def _start_handoff(self, req: Request, source: KVSource) -> None:
+        req.status = RequestStatus.LOADING
+        rid = req.request_id
+        task = asyncio.create_task(self._handoff(req, source), name=f"kv-handoff-{rid}")
+        self._handoffs[rid] = task
+        task.add_done_callback(
+            lambda t: self._handoffs.pop(rid) if self._handoffs.get(rid) is t else None
+        )
+
+    async def _handoff(self, req: Request, source: KVSource) -> None:
+        """The decode side: reserve the prompt's blocks (all of them, fresh: no prefix-cache
+        match for this request), fetch [0, end), check it fits this cache, import it on the
+        device thread, then queue the request with [0, end) computed: it computes the last
+        prompt token and samples as usual. Any failure or the deadline: it computes its prompt
+        here. An abort cancels this task; `abort` frees what it holds."""
+        rid, end = req.request_id, req.num_prompt_tokens - 1
+        stage = "no_room"
+        transfer: KVImport | None = None
+        try:
+            async with asyncio.timeout(self.handoff_timeout_s):
+                # the last prompt token's block too: its admission then needs no more
+                while not self.kv.grow(rid, req.num_prompt_tokens):
+                    await asyncio.sleep(RESERVE_POLL_S)
+                stage = "timeout"
+                keys = list(self.prefix.keys(req)) if self.prefix is not None else []
+                export = await source.fetch(list(req.prompt_ids), keys, end)
+                check_blocks(export, self.runner.cache, self.kv, end)
+                tables = [list(t) for t in self.kv.block_tables(rid)]
+                transfer = KVImport(
+                    rid, tables, asyncio.get_running_loop().create_future(), export=export
+                )
+                self._queue_transfer(transfer)
+                await transfer.done
+        except TimeoutError:
+            reason, error = stage, f"no answer in {self.handoff_timeout_s} s"
+        except LayoutMismatch as e:
+            reason, error = "layout", str(e)
+        except HandoffFailed as e:
+            reason, error = "failed", str(e)
+        except OSError as e:
+            reason, error = "connection", f"{type(e).__name__}: {e}"
+        except Exception as e:  # a faulty source must not lose the request
+            log.exception("kv_handoff_error", request_id=rid)
+            reason, error = "error", f"{type(e).__name__}: {e}"
+        else:
+            self.handoff.imported += 1
+            self.handoff.bytes_imported += export_bytes(export)
+            req.num_computed = end
+            self.scheduler.add(req)
+            self._wakeup.set()
+            return
+        finally:
+            if transfer is not None and transfer in self._transfers:
+                self._transfers.remove(transfer)  # not run yet: it never will
+        if req.finished:
+            return
+        log.warning("kv_handoff_recomputed", request_id=rid, reason=reason, error=error)
+        self.kv.free(rid)  # the reserved blocks (indexed by nothing) go back
+        self._recompute(req, reason)
+
+    def _recompute(self, req: Request, reason: str) -> None:
+        self.handoff.recomputed[reason] += 1
+        req.num_computed = 0
+        self._enqueue(req)
+
+    def _queue_transfer(self, transfer: KVTransfer) -> None:
+        self._transfers.append(transfer)
+        self._wakeup.set()
+
+    def _take_transfers(self) -> list[KVTransfer]:
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    async def prefill_export(
+        self,
+        prompt_ids: list[int],
+        request_id: str,
+        cache_salt: bytes = b"",
+        traffic_class: str = "chat",
+    ) -> KVExport:
+        """The prefill side of a handoff: compute positions [0, len - 1) of the prompt (prefix
+        cache hits used as for any request), export their KV state to the host and release
+        the request (its full blocks stay in the prefix cache and go to the store as for any
+        finished request). Cancelling it frees everything the request holds. Raises
+        RequestRejected for a prompt this engine cannot take, HandoffFailed if the request
+        is aborted (the engine stops or fails) or its export fails."""
+        if len(prompt_ids) < 2:
+            raise RequestRejected("a KV handoff needs a prompt of at least 2 tokens", "prompt")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self._check(prompt_ids, params)
+        # the last token is the decode side's: the request's prompt stops before it, and its
+        # one sample is never used (the engine exports instead, see `_prefilled`)
+        req = self._new_request(prompt_ids[:-1], params, request_id, 0, traffic_class, cache_salt)
+        done: asyncio.Future[KVExport] = asyncio.get_running_loop().create_future()
+        self._exporting[req.request_id] = done
+        try:
+            self._enqueue(req)
+            export = await done
+            self._finish(req, FinishReason.LENGTH)
+        finally:
+            self._exporting.pop(req.request_id, None)
+            if not req.finished:
+                self.abort(req.request_id)
+        self.handoff.exported += 1
+        self.handoff.bytes_exported += export_bytes(export)
+        return export
+
+    def _prefilled(self, req: Request) -> None:
+        """An export's request has computed its prompt: park it (blocks kept) and read them."""
+        if req.status != RequestStatus.RUNNING:
+            req.num_sampled_scheduled = 0  # preempted while its last chunk ran: computes again
+            return
+        self.scheduler.park(req)
+        tables = [list(t) for t in self.kv.block_tables(req.request_id)]
+        done = self._exporting[req.request_id]
+        self._queue_transfer(KVExportRead(req.request_id, tables, done, end=req.num_computed))
 
     async def _sweep_store(self) -> None:
         loop = asyncio.get_running_loop()
@@ -270,6 +442,14 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             log.info("request_aborted", request_id=request_id, output_tokens=len(req.output_ids))
+            handoff = self._handoffs.pop(request_id, None)
+            if handoff is not None:
+                handoff.cancel()
+            # a transfer not yet run never runs: its blocks may go to another request now
+            self._transfers = [t for t in self._transfers if t.request_id != request_id]
+            waiter = self._exporting.get(request_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(HandoffFailed(f"request {request_id} was aborted"))
             self._finish(req, FinishReason.ABORT)
             self.outputs.emit_abort(req)
 
@@ -295,6 +475,7 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "loading": len(self._loads),
+                "kv_handoffs_in_flight": len(self._handoffs) + len(self._exporting),
                 "kv_blocks_total": sum(u.num_blocks for u in usage),
                 "kv_blocks_free": sum(u.num_free for u in usage),
                 "steps": self.steps,
@@ -302,6 +483,7 @@ class Engine:
             | (prefix.snapshot_stats() if prefix is not None else {})
             | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
+            | self.handoff.as_dict()
         )
 
     def _store_stats(self) -> dict[str, object]:
@@ -333,18 +515,20 @@ class Engine:
                         if not step.seqs:
                             step = None
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
+                transfers = self._take_transfers()  # after the ops: demotions copied out first
                 if step is not None:
                     prepared = self.runner.prepare(step, self.kv, ops)
+                    prepared.transfers = transfers
                     launched = loop.create_future() if signal else None
                     args = (prepared, _resolver(loop, launched)) if launched else (prepared,)
                     future = loop.run_in_executor(self._executor, self.runner.execute, *args)
-                    inflight.append(Inflight(step, ops, future, launched))
+                    inflight.append(Inflight(step, ops, future, launched, transfers))
                     self.steps += 1
-                elif ops:
+                elif ops or transfers:
                     future = loop.run_in_executor(
-                        self._executor, self.runner.execute_cache_ops, ops
+                        self._executor, self.runner.execute_cache_ops, ops, transfers
                     )
-                    inflight.append(Inflight(None, ops, future))
+                    inflight.append(Inflight(None, ops, future, transfers=transfers))
                 if inflight and (step is None or len(inflight) > 1 or not self.overlap):
                     done = inflight.popleft()
                     result = await done.future
@@ -356,6 +540,8 @@ class Engine:
                         )
                     if prefix is not None:
                         prefix.completed(done.ops)
+                    for transfer in done.transfers:
+                        transfer.settle()
                     if done.step is not None:
                         self._process(done.step, result)
                 elif not inflight:
@@ -408,6 +594,9 @@ class Engine:
             sample += 1
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
+            if req.request_id in self._exporting:
+                self._prefilled(req)  # its one sample is not an output
+                continue
             if self.observer is not None:
                 self.observer.on_token(req)
             finish = None

@@ -76,7 +76,9 @@ class FinishReason(enum.StrEnum):
 
 
 class RequestStatus(enum.Enum):
-    LOADING = enum.auto()  # its prefix blocks are being read from the block store
+    # out of the queues: its prefix blocks are being read from the block store, or its KV is
+    # moving (a handoff's fetch and import, a prefill's export)
+    LOADING = enum.auto()
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()

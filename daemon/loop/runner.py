@@ -50,6 +50,7 @@ from daemon.loop.sampler import (
 from daemon.loop.scheduler import ScheduledSeq, SchedulerStep
 from daemon.loop.spec.device_drafter import EarlyDraft
 from daemon.loop.spec.rejection import verify
+from daemon.loop.transfer import KVTransfer
 from daemon.models.base import (
     AttentionMetadata,
     DecodeGraphs,
@@ -190,6 +191,8 @@ class PreparedStep:
     verify: VerifyRows | None = None  # sequences with drafts (None: none)
     num_samples: int = 0  # sampling sequences, with drafts or not
     drafting: DraftRows | None = None  # sequences that draft at the end (a draft network)
+    # KV handoff imports and exports, after the cache ops (the engine adds them)
+    transfers: list[KVTransfer] = field(default_factory=list)
 
 
 @dataclass
@@ -455,13 +458,21 @@ class ModelRunner:
 
     # ---- device side (worker thread) -------------------------------------------------------
 
-    def execute_cache_ops(self, ops: CacheOps) -> None:
-        """Cache ops with no step to ride on (the engine is idle)."""
+    def execute_cache_ops(self, ops: CacheOps, transfers: list[KVTransfer] | None = None) -> None:
+        """Cache ops (and KV transfers) with no step to ride on (the engine is idle)."""
         if self.stream is None:
             self.run_cache_ops(ops)
+            self.run_transfers(transfers or [])
             return
         with self.device_module.stream(self.stream):
             self.run_cache_ops(ops)
+            self.run_transfers(transfers or [])
+
+    @torch.inference_mode()
+    def run_transfers(self, transfers: list[KVTransfer]) -> None:
+        """Handoff imports and exports, each failing on its own (its error kept in it)."""
+        for transfer in transfers:
+            transfer.run(self.cache)
 
     @torch.inference_mode()
     def run_cache_ops(self, ops: CacheOps) -> None:
@@ -517,6 +528,8 @@ class ModelRunner:
         if self.cpu_threads and torch.get_num_threads() != self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         self.run_cache_ops(step.cache_ops)
+        if step.transfers:
+            self.run_transfers(step.transfers)
         if step.restores:  # as swa_saves, only for a sliding-window model
             window = self.window
             assert window is not None

@@ -334,6 +334,15 @@ class Scheduler:
         log.debug("preempt", request_id=req.request_id, tokens=req.seq_len)
         self.add(req)
 
+    def park(self, req: Request) -> None:
+        """Take a running request with nothing left to compute out of the running batch, its
+        blocks kept (a KV export reads them), out of reach of preemption; `finish` frees them."""
+        self.running.remove(req)
+        req.status = RequestStatus.LOADING
+        if req.slot >= 0:
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.status == RequestStatus.FINISHED:
             return
