@@ -28,6 +28,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
+from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
 
@@ -72,7 +73,16 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     model_dir = model_path(engine_cfg)  # built: the demo's checkpoint exists
     demo = is_demo(read_config(model_dir))
     logs.add_secret(server_cfg.api_key)
-    app = create_app(engine, name, server_cfg, metrics=metrics, demo=demo, model_dir=model_dir)
+    handoff = await handoff_config(settings.cluster, engine, model_dir, server_cfg.api_key)
+    app = create_app(
+        engine,
+        name,
+        server_cfg,
+        metrics=metrics,
+        demo=demo,
+        model_dir=model_dir,
+        handoff=handoff,
+    )
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
     url = f"http://{host}:{bound_port(runner)}/v1"
