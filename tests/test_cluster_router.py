@@ -54,11 +54,11 @@ class Cluster:
     unified: Node
 
 
-def _model_args(model: Path, store: Path) -> list[str]:
+def _model_args(model: Path, name: str, store: Path, *extra: str) -> list[str]:
     return [
-        "--model", str(model), "--served-model-name", NAME, "--kv-cache-memory-gb", "0.02",
+        "--model", str(model), "--served-model-name", name, "--kv-cache-memory-gb", "0.02",
         "--max-num-seqs", "4", "--max-model-len", "1024", "--kv-store-dir", str(store),
-        "--enforce-eager", "--cpu-threads", "1", "--log-format", "json",
+        "--enforce-eager", "--cpu-threads", "1", "--log-format", "json", *extra,
     ]  # fmt: skip
 
 
@@ -90,31 +90,32 @@ def _until(check, timeout: float = 20.0, what: str = "the condition"):  # noqa: 
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    model = make_dense_checkpoint(
-        tmp_path_factory.mktemp("tiny-chat"), with_tokenizer=True, max_position_embeddings=2048
-    )
-    cfg_path = model / "tokenizer_config.json"
-    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"chat_template": TEMPLATE}))
-    tmp = tmp_path_factory.mktemp("cluster")
-    ports = {name: free_port() for name in ("router", "prefill", "decode", "unified")}
-    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+def start_cluster(
+    model: Path, tmp: Path, name: str, extra: tuple[str, ...] = (), unified: bool = True
+) -> Iterator[Cluster]:
+    """Router, prefill and decode nodes (one block store) and a unified node (its own store)
+    serving `model` as `name`; stopped after. Without `unified` the decode node asked directly
+    (no router headers: it computes the prompt itself) stands for it."""
+    ports = {role: free_port() for role in ("router", "prefill", "decode", "unified")}
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     router_args = ["--role", "router", "--lease-s", "3", "--log-format", "json"]
+    node = _model_args(model, name, tmp / "store", *extra)
     args = {
         "router": router_args + ["--handoff-timeout-s", "10"],
-        "prefill": _model_args(model, tmp / "store")
-        + _cluster_args("prefill", urls["router"], "p0"),
-        "decode": _model_args(model, tmp / "store") + _cluster_args("decode", urls["router"], "d0"),
-        "unified": _model_args(model, tmp / "unified-store"),
+        "prefill": node + _cluster_args("prefill", urls["router"], "p0"),
+        "decode": node + _cluster_args("decode", urls["router"], "d0"),
+        "unified": _model_args(model, name, tmp / "unified-store", *extra),
     }
+    if not unified:
+        del args["unified"]
     procs: dict[str, subprocess.Popen] = {}
     try:
-        for name in args:
-            procs[name] = spawn(ports[name], args[name], tmp / f"{name}.log")
-        for name in args:
-            wait_healthy(urls[name], procs[name], 120)
-        nodes = {name: Node(urls[name], procs[name]) for name in args}
+        for role in args:
+            procs[role] = spawn(ports[role], args[role], tmp / f"{role}.log")
+        for role in args:
+            wait_healthy(urls[role], procs[role], 120)
+        nodes = {role: Node(urls[role], procs[role]) for role in args}
+        nodes.setdefault("unified", nodes["decode"])
         _until(
             lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1},
             what="both nodes registered",
@@ -123,6 +124,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         for proc in procs.values():
             _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = make_dense_checkpoint(
+        tmp_path_factory.mktemp("tiny-chat"), with_tokenizer=True, max_position_embeddings=2048
+    )
+    cfg_path = model / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"chat_template": TEMPLATE}))
+    yield from start_cluster(model, tmp_path_factory.mktemp("cluster"), NAME)
 
 
 def _oai(node: Node) -> OpenAI:
