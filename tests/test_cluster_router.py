@@ -33,6 +33,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 PROMPT = list(range(1000, 1150))  # 150 tokens: 9 full blocks of 16 and a partial one
+HANDOFF_TIMEOUT_S = 3  # a frozen prefill node costs this much
 CHAT = [{"role": "user", "content": "Tell me a story about a router and two nodes. " * 6}]
 
 
@@ -52,6 +53,14 @@ class Cluster:
     prefill: Node
     decode: Node
     unified: Node
+    router_command: tuple[int, list[str], Path]  # port, args, log: to start it again
+
+    def restart_router(self) -> None:
+        self.router.proc.kill()
+        self.router.proc.wait()
+        port, args, log = self.router_command
+        self.router.proc = spawn(port, args, log.with_suffix(".again.log"))
+        wait_healthy(self.router.url, self.router.proc, 60)
 
 
 def _model_args(model: Path, name: str, store: Path, *extra: str) -> list[str]:
@@ -65,7 +74,7 @@ def _model_args(model: Path, name: str, store: Path, *extra: str) -> list[str]:
 def _cluster_args(role: str, router: str, node_id: str) -> list[str]:
     return [
         "--role", role, "--peers", router, "--node-id", node_id, "--lease-s", "3",
-        "--handoff-timeout-s", "10",
+        "--handoff-timeout-s", str(HANDOFF_TIMEOUT_S),
     ]  # fmt: skip
 
 
@@ -91,11 +100,13 @@ def _until(check, timeout: float = 20.0, what: str = "the condition"):  # noqa: 
 
 
 def start_cluster(
-    model: Path, tmp: Path, name: str, extra: tuple[str, ...] = (), unified: bool = True
+    model: Path,
+    tmp: Path,
+    name: str,
+    extra: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Router, prefill and decode nodes (one block store) and a unified node (its own store)
-    serving `model` as `name`; stopped after. Without `unified` the decode node asked directly
-    (no router headers: it computes the prompt itself) stands for it."""
+    serving `model` as `name`; stopped after."""
     ports = {role: free_port() for role in ("router", "prefill", "decode", "unified")}
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     router_args = ["--role", "router", "--lease-s", "3", "--log-format", "json"]
@@ -106,24 +117,23 @@ def start_cluster(
         "decode": node + _cluster_args("decode", urls["router"], "d0"),
         "unified": _model_args(model, name, tmp / "unified-store", *extra),
     }
-    if not unified:
-        del args["unified"]
     procs: dict[str, subprocess.Popen] = {}
+    nodes: dict[str, Node] = {}
     try:
         for role in args:
             procs[role] = spawn(ports[role], args[role], tmp / f"{role}.log")
         for role in args:
             wait_healthy(urls[role], procs[role], 120)
         nodes = {role: Node(urls[role], procs[role]) for role in args}
-        nodes.setdefault("unified", nodes["decode"])
+        command = (ports["router"], args["router"], tmp / "router.log")
         _until(
             lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1},
             what="both nodes registered",
         )
-        yield Cluster(**nodes)
+        yield Cluster(**nodes, router_command=command)
     finally:
-        for proc in procs.values():
-            _stop(proc)
+        for role, proc in procs.items():
+            _stop(nodes[role].proc if role == "router" and nodes else proc)
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +299,33 @@ async def test_a_stale_epoch_is_refused_by_the_prefill_node(cluster: Cluster) ->
             assert resp.status == 409
             assert (await resp.json())["error"]["code"] == "stale_epoch"
     _idle(cluster.prefill)
+
+
+def test_a_frozen_prefill_node_leaves_the_prompt_to_the_decode_node(cluster: Cluster) -> None:
+    before = cluster.decode.health()["kv_handoff_recomputed"]
+    prompt = PROMPT[3:]
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        routed = _complete(cluster.router, False, prompt)
+        assert time.monotonic() - start < HANDOFF_TIMEOUT_S + 3
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    assert routed == _complete(cluster.unified, False, prompt)
+    assert cluster.decode.health()["kv_handoff_recomputed"] == before + 1
+    _idle(cluster.decode)
+    _idle(cluster.prefill)  # its handoff, cut off by the decode node, freed everything
+
+
+def test_a_restarted_router_learns_the_nodes_again(cluster: Cluster) -> None:
+    cluster.restart_router()
+    _until(
+        lambda: cluster.router.health()["nodes"] == {"prefill": 1, "decode": 1},
+        what="both nodes registered again",
+    )
+    before = cluster.decode.health()["kv_handoff_imported"]
+    assert _complete(cluster.router, True) == _complete(cluster.unified, True)
+    assert cluster.decode.health()["kv_handoff_imported"] == before + 1
 
 
 def test_a_prefill_node_killed_leaves_the_prompt_to_the_decode_node(cluster: Cluster) -> None:

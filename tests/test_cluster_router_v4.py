@@ -1,6 +1,6 @@
 """DeepSeek-V4 (tiny, random) through a router, a prefill and a decode daemon: Chat
-Completions, Responses (openai SDK) and Messages (anthropic SDK), streamed or not, answer as
-the decode node asked directly does, with the KV state (paged blocks, SWA ring, compressor
+Completions, Responses (openai SDK) and Messages (anthropic SDK), streamed or not, answer as a
+unified daemon does, with the KV state (paged blocks, SWA ring, compressor
 state) handed over."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     extra = ("--kv-cache-memory-gb", "0.1", "--max-model-len", "4096")
     tmp = tmp_path_factory.mktemp("cluster-v4")
-    yield from start_cluster(model, tmp, NAME, extra, unified=False)
+    yield from start_cluster(model, tmp, NAME, extra)
 
 
 def _oai(node: Node) -> OpenAI:
@@ -36,10 +36,10 @@ def _claude(node: Node) -> Anthropic:
     return Anthropic(base_url=node.url, api_key="x", max_retries=0, timeout=60)
 
 
-def _chat(node: Node, stream: bool) -> tuple[str, str]:
+def _chat(node: Node, text: str, stream: bool) -> tuple[str, str]:
     """(reasoning, content)"""
     kwargs = dict(
-        model=NAME, messages=[{"role": "user", "content": TEXT}], max_tokens=8, temperature=0
+        model=NAME, messages=[{"role": "user", "content": text}], max_tokens=8, temperature=0
     )
     if not stream:
         m = _oai(node).chat.completions.create(**kwargs).choices[0].message
@@ -53,8 +53,8 @@ def _chat(node: Node, stream: bool) -> tuple[str, str]:
     return "".join(reasoning), "".join(content)
 
 
-def _responses(node: Node, stream: bool) -> list:
-    kwargs = dict(model=NAME, input=TEXT, max_output_tokens=8, temperature=0)
+def _responses(node: Node, text: str, stream: bool) -> list:
+    kwargs = dict(model=NAME, input=text, max_output_tokens=8, temperature=0)
     if stream:
         events = list(_oai(node).responses.create(stream=True, **kwargs))
         response = events[-1].response
@@ -63,11 +63,11 @@ def _responses(node: Node, stream: bool) -> list:
     return [item.model_dump(exclude={"id", "encrypted_content"}) for item in response.output]
 
 
-def _messages(node: Node, stream: bool) -> list:
+def _messages(node: Node, text: str, stream: bool) -> list:
     kwargs = dict(
         model=NAME,
         max_tokens=8,
-        messages=[{"role": "user", "content": TEXT}],
+        messages=[{"role": "user", "content": text}],
         extra_body={"temperature": 0},  # (this SDK's signature has none)
     )
     if stream:
@@ -85,5 +85,6 @@ def test_v4_through_the_router_equals_a_unified_node(
 ) -> None:
     ask = {"chat": _chat, "responses": _responses, "messages": _messages}[protocol]
     before = cluster.decode.health()["kv_handoff_imported"]
-    assert ask(cluster.router, stream) == ask(cluster.unified, stream)
+    text = f"Case {protocol} {stream}. {TEXT}"  # no case hits another's cached prefix
+    assert ask(cluster.router, text, stream) == ask(cluster.unified, text, stream)
     assert cluster.decode.health()["kv_handoff_imported"] == before + 1
