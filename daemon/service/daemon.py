@@ -20,7 +20,9 @@ from daemon.api.http.server import bind_tcp, bound_port, create_app, start_serve
 from daemon.api.http.state import STATE, ApiState
 from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
+from daemon.cluster.announce import Announcer
 from daemon.cluster.config import advertise_url
+from daemon.cluster.discovery import announcer, peer_feed, registers
 from daemon.cluster.peers import PeerSet
 from daemon.cluster.registry_routes import add_registry_routes
 from daemon.cluster.router import Router
@@ -28,6 +30,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
+from daemon.service.cluster_node import engine_load, local_node
 from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
@@ -83,9 +86,34 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         model_dir=model_dir,
         handoff=handoff,
     )
+    add_registry_routes(app, PeerSet())  # any node can be a seed peer others register with
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
     url = f"http://{host}:{bound_port(runner)}/v1"
+    announce: Announcer | None = None
+    if registers(settings.cluster):
+        node = await local_node(
+            settings.cluster,
+            engine,
+            name,
+            model_dir,
+            server_cfg.host,
+            bound_port(runner),
+            engine_cfg.max_num_seqs,
+        )
+        announce = announcer(
+            settings.cluster, node, lambda: engine_load(engine), server_cfg.api_key
+        )
+        await announce.start()
+        log.info(
+            "cluster_node",
+            node_id=node.node_id,
+            role=node.role,
+            advertise_url=node.url,
+            fingerprint=node.fingerprint[:16],
+            discovery=settings.cluster.discovery,
+            peers=settings.cluster.peers,
+        )
     admin = await start_admin(app[STATE], admin_sock) if admin_sock is not None else None
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
@@ -102,6 +130,9 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
     try:
         await _first_of(signals.stop, engine.failed)
+        if announce is not None:  # no new requests are routed here from now on
+            await announce.leave()
+            announce = None
         if engine.failed.is_set():
             # its requests were answered with an error; a fresh process (systemd restarts it,
             # Restart=on-failure) serves again, where this one could only answer 503
@@ -118,6 +149,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     finally:
         status.cancel()
         signals.remove()
+        if announce is not None:
+            await announce.leave()
         if admin is not None:
             await admin.cleanup()
             Path(server_cfg.admin_socket).unlink(missing_ok=True)
@@ -146,6 +179,9 @@ async def serve_router(settings: Settings) -> int:
         state, server_cfg.max_body_bytes, lambda app: add_registry_routes(app, peers)
     )
     runner = await start_server(app, server_cfg, socks)
+    feed = peer_feed(cluster, peers)  # etcd's nodes; over HTTP they register on the app
+    if feed is not None:
+        await feed.start()
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), _reopen_logs)
     log.info("serving", role="router", url=state.url, systemd=notifier.enabled)
@@ -156,6 +192,8 @@ async def serve_router(settings: Settings) -> int:
         notifier.stopping("router stopping")
     finally:
         signals.remove()
+        if feed is not None:
+            await feed.stop()
         await runner.cleanup()
         await notifier.close()
     log.info("stopped")
