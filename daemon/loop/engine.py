@@ -26,14 +26,8 @@ from daemon.kv.request_state import PrefixState
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
-from daemon.loop.handoff import (
-    HandoffFailed,
-    HandoffStats,
-    KVSource,
-    LayoutMismatch,
-    check_blocks,
-    export_bytes,
-)
+from daemon.loop.handoff import KVSource
+from daemon.loop.handoffs import Handoffs
 from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
@@ -47,13 +41,11 @@ from daemon.loop.request import (
 from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
 from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
-from daemon.loop.transfer import KVExportRead, KVImport, KVTransfer
+from daemon.loop.transfer import KVTransfer
 from daemon.models.base import KVExport
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
-
-RESERVE_POLL_S = 0.005  # a handoff waiting for KV blocks to reserve looks again this often
 
 
 class RequestObserver(Protocol):
@@ -145,11 +137,15 @@ class Engine:
         self.error: BaseException | None = None
         self.failed = asyncio.Event()  # set with `error`: the loop is gone, the process must go
         self.observer = observer
-        self.handoff_timeout_s = handoff_timeout_s
-        self.handoff = HandoffStats()
-        self._handoffs: dict[str, asyncio.Task[None]] = {}  # request id -> its fetch and import
-        self._exporting: dict[str, asyncio.Future[KVExport]] = {}  # prefill_export's waiters
-        self._transfers: list[KVTransfer] = []  # for the device thread's next run
+        self.handoffs = Handoffs(
+            kv,
+            runner.cache,
+            prefix,
+            handoff_timeout_s,
+            admit=self._admit_imported,
+            compute=self._enqueue,
+            wake=self._wake,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -166,7 +162,7 @@ class Engine:
     async def stop(self) -> None:
         tasks = [
             t
-            for t in (self._task, self._sweep_task, *self._loads, *self._handoffs.values())
+            for t in (self._task, self._sweep_task, *self._loads, *self.handoffs.tasks.values())
             if t is not None
         ]
         for task in tasks:
@@ -202,9 +198,11 @@ class Engine:
             self._enqueue(req)
         elif len(prompt_ids) < 2 or params.prompt_logprobs is not None:
             # nothing to move, or each prompt position's logits are wanted here
-            self._recompute(req, "short_prompt" if len(prompt_ids) < 2 else "prompt_logprobs")
+            self.handoffs.recompute(
+                req, "short_prompt" if len(prompt_ids) < 2 else "prompt_logprobs"
+            )
         else:
-            self._start_handoff(req, kv_source)
+            self.handoffs.start_import(req, kv_source)
         return req
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -288,78 +286,12 @@ class Engine:
 
     # ---- KV handoff ---------------------------------------------------------------------
 
-    def _start_handoff(self, req: Request, source: KVSource) -> None:
-        req.status = RequestStatus.LOADING
-        rid = req.request_id
-        task = asyncio.create_task(self._handoff(req, source), name=f"kv-handoff-{rid}")
-        self._handoffs[rid] = task
-        task.add_done_callback(
-            lambda t: self._handoffs.pop(rid) if self._handoffs.get(rid) is t else None
-        )
-
-    async def _handoff(self, req: Request, source: KVSource) -> None:
-        """The decode side: reserve the prompt's blocks (all of them, fresh: no prefix-cache
-        match for this request), fetch [0, end), check it fits this cache, import it on the
-        device thread, then queue the request with [0, end) computed: it computes the last
-        prompt token and samples as usual. Any failure or the deadline: it computes its prompt
-        here. An abort cancels this task; `abort` frees what it holds."""
-        rid, end = req.request_id, req.num_prompt_tokens - 1
-        stage = "no_room"
-        transfer: KVImport | None = None
-        try:
-            async with asyncio.timeout(self.handoff_timeout_s):
-                # the last prompt token's block too: its admission then needs no more
-                while not self.kv.grow(rid, req.num_prompt_tokens):
-                    await asyncio.sleep(RESERVE_POLL_S)
-                stage = "timeout"
-                keys = list(self.prefix.keys(req)) if self.prefix is not None else []
-                export = await source.fetch(list(req.prompt_ids), keys, end)
-                check_blocks(export, self.runner.cache, self.kv, end)
-                tables = [list(t) for t in self.kv.block_tables(rid)]
-                transfer = KVImport(
-                    rid, tables, asyncio.get_running_loop().create_future(), export=export
-                )
-                self._queue_transfer(transfer)
-                await transfer.done
-        except TimeoutError:
-            reason, error = stage, f"no answer in {self.handoff_timeout_s} s"
-        except LayoutMismatch as e:
-            reason, error = "layout", str(e)
-        except HandoffFailed as e:
-            reason, error = "failed", str(e)
-        except OSError as e:
-            reason, error = "connection", f"{type(e).__name__}: {e}"
-        except Exception as e:  # a faulty source must not lose the request
-            log.exception("kv_handoff_error", request_id=rid)
-            reason, error = "error", f"{type(e).__name__}: {e}"
-        else:
-            self.handoff.imported += 1
-            self.handoff.bytes_imported += export_bytes(export)
-            req.num_computed = end
-            self.scheduler.add(req)
-            self._wakeup.set()
-            return
-        finally:
-            if transfer is not None and transfer in self._transfers:
-                self._transfers.remove(transfer)  # not run yet: it never will
-        if req.finished:
-            return
-        log.warning("kv_handoff_recomputed", request_id=rid, reason=reason, error=error)
-        self.kv.free(rid)  # the reserved blocks (indexed by nothing) go back
-        self._recompute(req, reason)
-
-    def _recompute(self, req: Request, reason: str) -> None:
-        self.handoff.recomputed[reason] += 1
-        req.num_computed = 0
-        self._enqueue(req)
-
-    def _queue_transfer(self, transfer: KVTransfer) -> None:
-        self._transfers.append(transfer)
+    def _admit_imported(self, req: Request) -> None:
+        self.scheduler.add(req)
         self._wakeup.set()
 
-    def _take_transfers(self) -> list[KVTransfer]:
-        transfers, self._transfers = self._transfers, []
-        return transfers
+    def _wake(self) -> None:
+        self._wakeup.set()
 
     async def prefill_export(
         self,
@@ -381,18 +313,17 @@ class Engine:
         # the last token is the decode side's: the request's prompt stops before it, and its
         # one sample is never used (the engine exports instead, see `_prefilled`)
         req = self._new_request(prompt_ids[:-1], params, request_id, 0, traffic_class, cache_salt)
-        done: asyncio.Future[KVExport] = asyncio.get_running_loop().create_future()
-        self._exporting[req.request_id] = done
+        done = self.handoffs.expect_export(req.request_id)
+        export: KVExport | None = None
         try:
             self._enqueue(req)
             export = await done
-            self._finish(req, FinishReason.LENGTH)
+            if not req.finished:
+                self._finish(req, FinishReason.LENGTH)
         finally:
-            self._exporting.pop(req.request_id, None)
+            self.handoffs.exported(req.request_id, export)
             if not req.finished:
                 self.abort(req.request_id)
-        self.handoff.exported += 1
-        self.handoff.bytes_exported += export_bytes(export)
         return export
 
     def _prefilled(self, req: Request) -> None:
@@ -401,9 +332,7 @@ class Engine:
             req.num_sampled_scheduled = 0  # preempted while its last chunk ran: computes again
             return
         self.scheduler.park(req)
-        tables = [list(t) for t in self.kv.block_tables(req.request_id)]
-        done = self._exporting[req.request_id]
-        self._queue_transfer(KVExportRead(req.request_id, tables, done, end=req.num_computed))
+        self.handoffs.export(req, [list(t) for t in self.kv.block_tables(req.request_id)])
 
     async def _sweep_store(self) -> None:
         loop = asyncio.get_running_loop()
@@ -442,14 +371,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             log.info("request_aborted", request_id=request_id, output_tokens=len(req.output_ids))
-            handoff = self._handoffs.pop(request_id, None)
-            if handoff is not None:
-                handoff.cancel()
-            # a transfer not yet run never runs: its blocks may go to another request now
-            self._transfers = [t for t in self._transfers if t.request_id != request_id]
-            waiter = self._exporting.get(request_id)
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(HandoffFailed(f"request {request_id} was aborted"))
+            self.handoffs.abort(request_id)
             self._finish(req, FinishReason.ABORT)
             self.outputs.emit_abort(req)
 
@@ -475,7 +397,7 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "loading": len(self._loads),
-                "kv_handoffs_in_flight": len(self._handoffs) + len(self._exporting),
+                "kv_handoffs_in_flight": self.handoffs.in_flight,
                 "kv_blocks_total": sum(u.num_blocks for u in usage),
                 "kv_blocks_free": sum(u.num_free for u in usage),
                 "steps": self.steps,
@@ -483,7 +405,7 @@ class Engine:
             | (prefix.snapshot_stats() if prefix is not None else {})
             | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
-            | self.handoff.as_dict()
+            | self.handoffs.stats.as_dict()
         )
 
     def _store_stats(self) -> dict[str, object]:
@@ -515,7 +437,7 @@ class Engine:
                         if not step.seqs:
                             step = None
                 ops = prefix.take_ops() if prefix is not None else CacheOps()
-                transfers = self._take_transfers()  # after the ops: demotions copied out first
+                transfers = self.handoffs.take()  # after the ops: demotions copied out first
                 if step is not None:
                     prepared = self.runner.prepare(step, self.kv, ops)
                     prepared.transfers = transfers
@@ -594,7 +516,7 @@ class Engine:
             sample += 1
             if req.finished:
                 continue  # aborted, or finished by an earlier token while this step ran
-            if req.request_id in self._exporting:
+            if req.request_id in self.handoffs.exporting:
                 self._prefilled(req)  # its one sample is not an output
                 continue
             if self.observer is not None:

@@ -32,7 +32,17 @@ class KVSource(Protocol):
         ...
 
 
-RECOMPUTE_REASONS = ("failed", "timeout", "connection", "layout", "no_room", "error")
+# why a decode engine computed a prompt itself (a request given a KVSource)
+RECOMPUTE_REASONS = (
+    "failed",
+    "timeout",
+    "connection",
+    "layout",
+    "no_room",
+    "error",
+    "short_prompt",
+    "prompt_logprobs",
+)
 
 
 @dataclass

@@ -123,6 +123,7 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "deepinfer:num_preemptions", "Requests preempted (freed, recomputed).", value=preempted
         )
+        yield from _handoff(stats)
         if "spec_drafts" in stats:
             yield from _spec(stats)
         if "prefix_requests" not in stats:
@@ -202,6 +203,36 @@ class _EngineCollector:
             yield swa
         if "kv_store_writes" in stats:
             yield from _store(stats)
+
+
+def _handoff(stats: dict) -> Iterator[Metric]:
+    """Prefill/decode KV handoffs: requests imported or recomputed here (decode side), exports
+    made here (prefill side), the reasons for recomputing, and the bytes moved."""
+    total = CounterMetricFamily(
+        "deepinfer:kv_handoff",
+        "KV handoffs by result: imported (decode side), recomputed (decode side, locally "
+        "instead), exported (prefill side).",
+        labels=["result"],
+    )
+    for result in ("imported", "recomputed", "exported"):
+        total.add_metric([result], stats[f"kv_handoff_{result}"])
+    yield total
+    reasons = CounterMetricFamily(
+        "deepinfer:kv_handoff_recomputed",
+        "Handoffs recomputed locally, by reason.",
+        labels=["reason"],
+    )
+    for reason, n in stats["kv_handoff_recomputed_by_reason"].items():
+        reasons.add_metric([reason], n)
+    yield reasons
+    moved = CounterMetricFamily(
+        "deepinfer:kv_handoff_bytes",
+        "Bytes of KV state moved by handoffs, by direction (imported, exported).",
+        labels=["direction"],
+    )
+    moved.add_metric(["imported"], stats["kv_handoff_bytes_imported"])
+    moved.add_metric(["exported"], stats["kv_handoff_bytes_exported"])
+    yield moved
 
 
 def _spec(stats: dict) -> Iterator[Metric]:
