@@ -6,6 +6,7 @@ on the decode node), the decode node SIGKILLed mid-stream (a clean error), none 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -298,6 +299,34 @@ async def test_a_stale_epoch_is_refused_by_the_prefill_node(cluster: Cluster) ->
         ) as resp:
             assert resp.status == 409
             assert (await resp.json())["error"]["code"] == "stale_epoch"
+    _idle(cluster.prefill)
+
+
+async def test_a_client_gone_during_the_handoff_frees_both_nodes(cluster: Cluster) -> None:
+    """The prefill node frozen: the decode node waits on its handoff, blocks reserved, when
+    the client goes; its abort ends the fetch, and the prefill node, woken, finds its client
+    gone too."""
+    body = {"model": NAME, "prompt": PROMPT[7:], "max_tokens": 4, "temperature": 0}
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = cluster.router.url + "/v1/completions"
+            ask = asyncio.create_task(session.post(url, json=body))
+            health = await asyncio.to_thread(
+                _until,
+                lambda: (h := cluster.decode.health())["kv_blocks_free"] < h["kv_blocks_total"],
+                5,
+                "the decode node reserving blocks for the handoff",
+            )
+            assert health
+            ask.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await ask
+        start = time.monotonic()
+        _idle(cluster.decode)
+        assert time.monotonic() - start < 2
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
     _idle(cluster.prefill)
 
 
