@@ -78,7 +78,10 @@ def _run_engine(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"deepinfer: cannot open the log file {e.filename}: {e.strerror}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
-    if not settings.engine.model and settings.engine.demo == DEEPSEEK_V4:
+    routes_only = args.command == "serve" and settings.cluster.role == "router"  # no model
+    if routes_only:
+        pass
+    elif not settings.engine.model and settings.engine.demo == DEEPSEEK_V4:
         log.warning(
             "demo_model",
             demo=DEEPSEEK_V4,

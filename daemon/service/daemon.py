@@ -14,19 +14,24 @@ import structlog
 import uvloop
 
 from daemon.api.http.admin import bind_admin, start_admin
+from daemon.api.http.cluster_router import create_router_app
+from daemon.api.http.cluster_state import RouterState
 from daemon.api.http.server import bind_tcp, bound_port, create_app, start_server
 from daemon.api.http.state import STATE, ApiState
 from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
 from daemon.cluster.announce import Announcer
-from daemon.cluster.discovery import announcer, registers
+from daemon.cluster.config import advertise_url
+from daemon.cluster.discovery import announcer, peer_feed, registers
 from daemon.cluster.peers import PeerSet
 from daemon.cluster.registry_routes import add_registry_routes
+from daemon.cluster.router import Router
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
 from daemon.service.cluster_node import engine_load, local_node
+from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
 
@@ -39,6 +44,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     """Builds the engine and serves until SIGTERM/SIGINT; then drains (new requests get 503,
     running ones finish within `shutdown_timeout`; a second signal aborts them) and exits.
     SIGHUP re-reads the settings (`reload`) and applies what can change live."""
+    if settings.cluster.role == "router":
+        return await serve_router(settings)
     engine_cfg, server_cfg = settings.engine, settings.server
     # Both sockets are bound before the model loads (minutes, for a big one), so that a taken
     # port or an unusable socket path stops the start at once. A SIGTERM meanwhile stops the
@@ -69,7 +76,16 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     model_dir = model_path(engine_cfg)  # built: the demo's checkpoint exists
     demo = is_demo(read_config(model_dir))
     logs.add_secret(server_cfg.api_key)
-    app = create_app(engine, name, server_cfg, metrics=metrics, demo=demo, model_dir=model_dir)
+    handoff = await handoff_config(settings.cluster, engine, model_dir, server_cfg.api_key)
+    app = create_app(
+        engine,
+        name,
+        server_cfg,
+        metrics=metrics,
+        demo=demo,
+        model_dir=model_dir,
+        handoff=handoff,
+    )
     add_registry_routes(app, PeerSet())  # any node can be a seed peer others register with
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
@@ -144,6 +160,46 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     return EXIT_ENGINE_FAILED if engine.failed.is_set() else 0
 
 
+async def serve_router(settings: Settings) -> int:
+    """`--role router`: no model; the APIs by proxy to the registered nodes, until a signal
+    (then the running answers get `shutdown_timeout` to finish)."""
+    server_cfg, cluster = settings.server, settings.cluster
+    socks = bind_tcp(server_cfg.host, server_cfg.port)
+    port = socks[0].getsockname()[1]  # the one bound (the settings may say 0)
+    logs.add_secret(server_cfg.api_key)
+    peers = PeerSet()
+    state = RouterState(
+        Router(peers),
+        url=advertise_url(cluster, server_cfg.host, port),
+        lease_ms=int(cluster.handoff_timeout_s * 1000),
+        created=int(time.time()),
+        api_key=server_cfg.api_key,
+    )
+    app = create_router_app(
+        state, server_cfg.max_body_bytes, lambda app: add_registry_routes(app, peers)
+    )
+    runner = await start_server(app, server_cfg, socks)
+    feed = peer_feed(cluster, peers)  # etcd's nodes; over HTTP they register on the app
+    if feed is not None:
+        await feed.start()
+    notifier = Notifier()
+    signals = _Signals(asyncio.get_running_loop(), _reopen_logs)
+    log.info("serving", role="router", url=state.url, systemd=notifier.enabled)
+    notifier.ready(f"routing at {state.url}")
+    notifier.start_watchdog()
+    try:
+        await signals.stop.wait()
+        notifier.stopping("router stopping")
+    finally:
+        signals.remove()
+        if feed is not None:
+            await feed.stop()
+        await runner.cleanup()
+        await notifier.close()
+    log.info("stopped")
+    return 0
+
+
 class _StopStarting(BaseException):
     """SIGTERM while the daemon starts (a BaseException: no `except Exception` swallows it)."""
 
@@ -177,12 +233,7 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
     the MoE intervals. The rest needs a restart; a settings file that fails its checks changes
     nothing."""
     if reload is None:
-        try:
-            logs.SINK.reopen()
-        except OSError as e:  # logs go on to the file as it was open
-            log.warning("logs_reopen_failed", file=e.filename, error=e.strerror)
-            return
-        log.info("logs_reopened", file=logs.SINK.path)
+        _reopen_logs()
         return
     try:
         new = reload()
@@ -207,6 +258,15 @@ def _reload(state: ApiState, reload: Callable[[], Settings] | None) -> None:
         api_key_set=new.server.api_key is not None,
         max_waiting=new.server.max_waiting,
     )
+
+
+def _reopen_logs() -> None:
+    try:
+        logs.SINK.reopen()
+    except OSError as e:  # logs go on to the file as it was open
+        log.warning("logs_reopen_failed", file=e.filename, error=e.strerror)
+        return
+    log.info("logs_reopened", file=logs.SINK.path)
 
 
 async def _first_of(*events: asyncio.Event) -> None:

@@ -15,12 +15,12 @@ OPEN_PATHS = ("/health",)
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[STATE].api_key
-    if key and request.path not in OPEN_PATHS and not _matches(request, key):
+    if key and request.path not in OPEN_PATHS and not key_matches(request, key):
         raise unauthorized()
     return await handler(request)
 
 
-def _matches(request: web.Request, key: str) -> bool:
+def key_matches(request: web.Request, key: str) -> bool:
     given = request.headers.get("x-api-key")
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":

@@ -11,6 +11,7 @@ from daemon.api.codecs.base import Job
 from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
+from daemon.loop.handoff import KVSource
 from daemon.loop.request import Request, RequestOutput
 
 
@@ -20,8 +21,11 @@ def submit_all(
     jobs: list[Job],
     priority: int = 0,
     cache: CacheOptions = CacheOptions(),
+    kv_source: KVSource | None = None,
 ) -> list[Request]:
-    """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503)."""
+    """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503).
+    `kv_source` (a routed request on a decode node): where the first job's prompt KV comes
+    from."""
     reqs: list[Request] = []
     try:
         for i, (prompt_ids, params) in enumerate(jobs):
@@ -33,6 +37,7 @@ def submit_all(
                     priority,
                     traffic_class=cache.traffic_class,
                     cache_salt=cache.cache_salt,
+                    kv_source=kv_source if i == 0 else None,
                 )
             )
     except RequestRejected as e:

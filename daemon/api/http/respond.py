@@ -10,6 +10,7 @@ from aiohttp import web
 from daemon.api.codecs.base import Answer, Call, Event
 from daemon.api.http import access
 from daemon.api.http.cache_options import CacheOptions
+from daemon.api.http.cluster_handoff import kv_source_for
 from daemon.api.http.errors import anthropic_error_body, is_anthropic, unavailable
 from daemon.api.http.fanout import FanOut, submit_all
 from daemon.api.http.sse import SSEWriter
@@ -24,7 +25,8 @@ async def respond(
 ) -> web.StreamResponse:
     answer = call.answer()
     try:
-        reqs = submit_all(engine, call.id, call.jobs, call.priority, cache)
+        source = kv_source_for(request, len(call.jobs), cache)
+        reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source)
         try:
             if call.stream:
                 return await _stream(request, engine, reqs, call.id, answer)

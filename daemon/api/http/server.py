@@ -18,6 +18,7 @@ from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCode
 from daemon.api.codecs.recipe.conversation import ConversationCodec
 from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http import (
+    cluster_handoff,
     completions,
     conversations,
     metrics,
@@ -28,6 +29,7 @@ from daemon.api.http import (
 from daemon.api.http import metrics as metrics_route
 from daemon.api.http.access import AccessLogger, echo_request_id, request_id_middleware
 from daemon.api.http.auth import auth_middleware
+from daemon.api.http.cluster_handoff import HandoffConfig
 from daemon.api.http.config import ServerConfig
 from daemon.api.http.errors import counting_errors
 from daemon.api.http.state import STATE, ApiState, Codecs
@@ -58,9 +60,11 @@ def create_app(
     metrics: EngineMetrics,
     demo: bool | None = None,
     model_dir: Path | None = None,
+    handoff: HandoffConfig | None = None,
 ) -> web.Application:
     """`metrics`: the engine's request observer (what /metrics serves); `model_dir` (the
-    checkpoint) supplies the chat template of non-DeepSeek families."""
+    checkpoint) supplies the chat template of non-DeepSeek families; `handoff`: a prefill or
+    decode node's part in KV handoffs."""
     store = ResponseStore(
         server_cfg.response_store_max_count,
         int(server_cfg.response_store_memory_gb * 2**30),
@@ -87,6 +91,8 @@ def create_app(
     app[stored_responses.RESPONSE_STORE] = store
     for endpoint in ENDPOINTS:
         endpoint.register(app)
+    if handoff is not None:
+        cluster_handoff.register(app, handoff)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stopping)

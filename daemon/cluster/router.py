@@ -1,0 +1,71 @@
+"""The router's choices: a decode node for a request (free KV, running requests) and a prefill
+node for a handoff (longest cached prefix, then load), among the live peers of one model."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from daemon.cluster.node import NodeInfo
+from daemon.cluster.peers import PeerSet
+from daemon.cluster.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class PrefillRoute:
+    node: NodeInfo
+    matched_blocks: int
+
+
+class Router:
+    """Only prefill / decode nodes are routed to; a request goes to nodes serving its `model`,
+    a handoff to prefill nodes of the decode node's fingerprint."""
+
+    def __init__(self, peers: PeerSet, index: PrefixIndex | None = None) -> None:
+        self.peers = peers
+        self.index = index or PrefixIndex()
+        # requests this router has open on each node (its own view; loads come by heartbeat)
+        self.in_flight: Counter[str] = Counter()
+        self._routed: Counter[str] = Counter()  # prefill routes, a tie-breaker
+
+    def models(self) -> list[str]:
+        """The served model names of the live decode nodes."""
+        return sorted({n.served_model for n in self.peers.live("decode")})
+
+    def served_models(self) -> set[str]:
+        """The served model names of every live node, whatever its role."""
+        return {n.served_model for n in self.peers.live()}
+
+    def decode_nodes(self, model: str) -> list[NodeInfo]:
+        return [n for n in self.peers.live("decode") if n.served_model == model]
+
+    def pick_decode(self, model: str, exclude: set[str] = frozenset()) -> NodeInfo | None:
+        nodes = [n for n in self.decode_nodes(model) if n.node_id not in exclude]
+        if not nodes:
+            return None
+        return min(nodes, key=lambda n: (self._decode_load(n), n.node_id))
+
+    def _decode_load(self, n: NodeInfo) -> float:
+        """Busy share of the request slots minus the free share of the KV blocks."""
+        seqs = max(n.capacity.get("max_num_seqs", 1), 1)
+        blocks = max(n.capacity.get("kv_blocks", 1), 1)
+        busy = n.load.get("running", 0) + n.load.get("waiting", 0) + self.in_flight[n.node_id]
+        return busy / seqs - n.load.get("kv_blocks_free", 0) / blocks
+
+    def pick_prefill(self, fingerprint: str, keys: list[bytes]) -> PrefillRoute | None:
+        """The prefill node that was sent the longest prefix of `keys`, then the least loaded;
+        the keys are then noted for it (its prefix cache and the shared store will hold them)."""
+        nodes = self.peers.live("prefill", fingerprint)
+        self.index.forget({n.node_id for n in self.peers.live("prefill")})
+        if not nodes:
+            return None
+        matched = {n.node_id: self.index.match(n.node_id, keys) for n in nodes}
+
+        def rank(n: NodeInfo) -> tuple[int, int, int, str]:
+            load = n.load.get("running", 0) + n.load.get("waiting", 0)
+            return (-matched[n.node_id], load, self._routed[n.node_id], n.node_id)
+
+        node = min(nodes, key=rank)
+        self.index.add(node.node_id, keys)
+        self._routed[node.node_id] += 1
+        return PrefillRoute(node, matched[node.node_id])

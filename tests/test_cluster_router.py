@@ -1,0 +1,389 @@
+"""A router, a prefill and a decode daemon (real processes on 127.0.0.1, a tiny random dense
+model with a chat template) against a unified daemon: the same greedy answers through the
+router, the KV handed over; then the failures: a node that refuses connections (retried), a
+client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed (computed
+on the decode node), the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+from anthropic import Anthropic
+from openai import APIError, NotFoundError, OpenAI
+
+from daemon.cluster.kv_source import HttpKVSource, PrefillNode
+from daemon.cluster.node import NodeInfo
+from daemon.loop.handoff import HandoffFailed
+from daemon.service.live_server import free_port
+from tests.checkpoints import make_dense_checkpoint
+from tests.daemons import spawn, wait_healthy
+
+NAME = "tiny-chat"
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPT = list(range(1000, 1150))  # 150 tokens: 9 full blocks of 16 and a partial one
+HANDOFF_TIMEOUT_S = 3  # a frozen prefill node costs this much
+CHAT = [{"role": "user", "content": "Tell me a story about a router and two nodes. " * 6}]
+
+
+@dataclass
+class Node:
+    url: str
+    proc: subprocess.Popen
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+            return json.loads(r.read())
+
+
+@dataclass
+class Cluster:
+    router: Node
+    prefill: Node
+    decode: Node
+    unified: Node
+    router_command: tuple[int, list[str], Path]  # port, args, log: to start it again
+
+    def restart_router(self) -> None:
+        self.router.proc.kill()
+        self.router.proc.wait()
+        port, args, log = self.router_command
+        self.router.proc = spawn(port, args, log.with_suffix(".again.log"))
+        wait_healthy(self.router.url, self.router.proc, 60)
+
+
+def _model_args(model: Path, name: str, store: Path, *extra: str) -> list[str]:
+    return [
+        "--model", str(model), "--served-model-name", name, "--kv-cache-memory-gb", "0.02",
+        "--max-num-seqs", "4", "--max-model-len", "1024", "--kv-store-dir", str(store),
+        "--enforce-eager", "--cpu-threads", "1", "--log-format", "json", *extra,
+    ]  # fmt: skip
+
+
+def _cluster_args(role: str, router: str, node_id: str) -> list[str]:
+    return [
+        "--role", role, "--peers", router, "--node-id", node_id, "--lease-s", "3",
+        "--handoff-timeout-s", str(HANDOFF_TIMEOUT_S),
+    ]  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _until(check, timeout: float = 20.0, what: str = "the condition"):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout} s")
+        time.sleep(0.1)
+
+
+def start_cluster(
+    model: Path,
+    tmp: Path,
+    name: str,
+    extra: tuple[str, ...] = (),
+) -> Iterator[Cluster]:
+    """Router, prefill and decode nodes (one block store) and a unified node (its own store)
+    serving `model` as `name`; stopped after."""
+    ports = {role: free_port() for role in ("router", "prefill", "decode", "unified")}
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    router_args = ["--role", "router", "--lease-s", "3", "--log-format", "json"]
+    node = _model_args(model, name, tmp / "store", *extra)
+    args = {
+        "router": router_args + ["--handoff-timeout-s", "10"],
+        "prefill": node + _cluster_args("prefill", urls["router"], "p0"),
+        "decode": node + _cluster_args("decode", urls["router"], "d0"),
+        "unified": _model_args(model, name, tmp / "unified-store", *extra),
+    }
+    procs: dict[str, subprocess.Popen] = {}
+    nodes: dict[str, Node] = {}
+    try:
+        for role in args:
+            procs[role] = spawn(ports[role], args[role], tmp / f"{role}.log")
+        for role in args:
+            wait_healthy(urls[role], procs[role], 120)
+        nodes = {role: Node(urls[role], procs[role]) for role in args}
+        command = (ports["router"], args["router"], tmp / "router.log")
+        _until(
+            lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1},
+            what="both nodes registered",
+        )
+        yield Cluster(**nodes, router_command=command)
+    finally:
+        for role, proc in procs.items():
+            _stop(nodes[role].proc if role == "router" and nodes else proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = make_dense_checkpoint(
+        tmp_path_factory.mktemp("tiny-chat"), with_tokenizer=True, max_position_embeddings=2048
+    )
+    cfg_path = model / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()) | {"chat_template": TEMPLATE}))
+    yield from start_cluster(model, tmp_path_factory.mktemp("cluster"), NAME)
+
+
+def _oai(node: Node) -> OpenAI:
+    return OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _complete(node: Node, stream: bool, prompt: list[int] = PROMPT, max_tokens: int = 8) -> str:
+    kwargs = dict(
+        model=NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    if not stream:
+        return _oai(node).completions.create(**kwargs).choices[0].text
+    chunks = _oai(node).completions.create(stream=True, **kwargs)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def _chat(node: Node, stream: bool) -> str:
+    kwargs = dict(
+        model=NAME, messages=CHAT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    if not stream:
+        return _oai(node).chat.completions.create(**kwargs).choices[0].message.content
+    chunks = _oai(node).chat.completions.create(stream=True, **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _idle(node: Node) -> dict:
+    def check() -> dict | None:
+        h = node.health()
+        done = h["running"] == 0 and h["waiting"] == 0
+        return h if done and h["kv_blocks_free"] == h["kv_blocks_total"] else None
+
+    return _until(check, 10, f"{node.url} idle with every block free")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_through_the_router_equal_a_unified_node(
+    cluster: Cluster, stream: bool
+) -> None:
+    before = cluster.decode.health()["kv_handoff_imported"]
+    exported = cluster.prefill.health()["kv_handoff_exported"]
+    routed = _complete(cluster.router, stream)
+    assert routed == _complete(cluster.unified, stream)
+    assert cluster.decode.health()["kv_handoff_imported"] == before + 1
+    assert cluster.prefill.health()["kv_handoff_exported"] == exported + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_through_the_router_equals_a_unified_node(cluster: Cluster, stream: bool) -> None:
+    before = cluster.decode.health()["kv_handoff_imported"]
+    assert _chat(cluster.router, stream) == _chat(cluster.unified, stream)
+    assert cluster.decode.health()["kv_handoff_imported"] == before + 1
+
+
+def test_the_router_lists_the_model_and_counts(cluster: Cluster) -> None:
+    models = _oai(cluster.router).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    with urllib.request.urlopen(cluster.router.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'deepinfer:router_requests_total{path="/v1/completions"}' in text
+    assert 'deepinfer:router_prefill_routes_total{prefix="hit"}' in text  # the same prompt again
+
+
+def test_an_unknown_model_is_a_404_in_each_protocol(cluster: Cluster) -> None:
+    with pytest.raises(NotFoundError) as info:
+        _oai(cluster.router).completions.create(model="nope", prompt="hi", max_tokens=1)
+    assert info.value.body["code"] == "model_not_found"
+    client = Anthropic(base_url=cluster.router.url, api_key="x", max_retries=0, timeout=30)
+    with pytest.raises(Exception) as info:
+        client.messages.create(
+            model="nope", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert getattr(info.value, "status_code", None) == 404
+    assert info.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_decode_node_that_refuses_connections_is_retried_elsewhere(cluster: Cluster) -> None:
+    """A registered decode node with nothing listening (and the lightest load, so it is picked
+    first): the request goes on to the live one."""
+    dead = NodeInfo(
+        node_id="d-dead",
+        role="decode",
+        fingerprint="unused",
+        url=f"http://127.0.0.1:{free_port()}",
+        epoch=1,
+        served_model=NAME,
+        capacity={"kv_blocks": 1000, "max_num_seqs": 1000},
+        load={"running": 0, "waiting": 0, "kv_blocks_free": 1000},
+    )
+    body = json.dumps(dead.to_json() | {"ttl_s": 30}).encode()
+    req = urllib.request.Request(
+        cluster.router.url + "/cluster/v1/nodes",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(req, timeout=5).close()
+    try:
+        assert _complete(cluster.router, False) == _complete(cluster.unified, False)
+        with urllib.request.urlopen(cluster.router.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert "deepinfer:router_retries_total 1.0" in text
+        assert 'deepinfer:router_failures_total{reason="connect"} 1.0' in text
+    finally:
+        gone = urllib.request.Request(
+            cluster.router.url + "/cluster/v1/nodes/d-dead?epoch=1", method="DELETE"
+        )
+        urllib.request.urlopen(gone, timeout=5).close()
+
+
+async def test_a_client_gone_mid_stream_frees_every_block_on_both_nodes(cluster: Cluster) -> None:
+    timeout = aiohttp.ClientTimeout(total=30)
+    body = {
+        "model": NAME,
+        "prompt": PROMPT[::-1],
+        "max_tokens": 800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = cluster.router.url + "/v1/completions"
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(url, json=body) as resp,
+    ):
+        assert resp.status == 200
+        await resp.content.readline()  # the first event: the decode node runs it
+        assert cluster.decode.health()["running"] == 1
+        # leaving the block unread closes the connection
+    start = time.monotonic()
+    _idle(cluster.decode)
+    assert time.monotonic() - start < 2
+    _idle(cluster.prefill)
+    assert cluster.router.health()["in_flight"] == 0
+
+
+async def test_a_stale_epoch_is_refused_by_the_prefill_node(cluster: Cluster) -> None:
+    node = json.loads(urllib.request.urlopen(cluster.router.url + "/cluster/v1/nodes").read())
+    p0 = next(n for n in node["data"] if n["node_id"] == "p0")
+    async with aiohttp.ClientSession() as session:
+        stale = PrefillNode("p0", p0["url"], p0["epoch"] - 1, 5000)
+        source = HttpKVSource(
+            session, cluster.router.url, "stale1", p0["fingerprint"], 5, prefill=stale
+        )
+        with pytest.raises(HandoffFailed, match="stale epoch"):
+            await source.fetch(PROMPT, [], len(PROMPT) - 1)
+        async with session.post(
+            p0["url"] + "/cluster/v1/prefill", json={"request_id": "x", "epoch": 1}
+        ) as resp:
+            assert resp.status == 409
+            assert (await resp.json())["error"]["code"] == "stale_epoch"
+    _idle(cluster.prefill)
+
+
+async def test_a_client_gone_during_the_handoff_frees_both_nodes(cluster: Cluster) -> None:
+    """The prefill node frozen: the decode node waits on its handoff, blocks reserved, when
+    the client goes; its abort ends the fetch, and the prefill node, woken, finds its client
+    gone too."""
+    body = {"model": NAME, "prompt": PROMPT[7:], "max_tokens": 4, "temperature": 0}
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = cluster.router.url + "/v1/completions"
+            ask = asyncio.create_task(session.post(url, json=body))
+            health = await asyncio.to_thread(
+                _until,
+                lambda: (h := cluster.decode.health())["kv_blocks_free"] < h["kv_blocks_total"],
+                5,
+                "the decode node reserving blocks for the handoff",
+            )
+            assert health
+            ask.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await ask
+        start = time.monotonic()
+        _idle(cluster.decode)
+        assert time.monotonic() - start < 2
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    _idle(cluster.prefill)
+
+
+def test_a_frozen_prefill_node_leaves_the_prompt_to_the_decode_node(cluster: Cluster) -> None:
+    before = cluster.decode.health()["kv_handoff_recomputed"]
+    prompt = PROMPT[3:]
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        routed = _complete(cluster.router, False, prompt)
+        assert time.monotonic() - start < HANDOFF_TIMEOUT_S + 3
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    assert routed == _complete(cluster.unified, False, prompt)
+    assert cluster.decode.health()["kv_handoff_recomputed"] == before + 1
+    _idle(cluster.decode)
+    _idle(cluster.prefill)  # its handoff, cut off by the decode node, freed everything
+
+
+def test_a_restarted_router_learns_the_nodes_again(cluster: Cluster) -> None:
+    cluster.restart_router()
+    _until(
+        lambda: cluster.router.health()["nodes"] == {"prefill": 1, "decode": 1},
+        what="both nodes registered again",
+    )
+    before = cluster.decode.health()["kv_handoff_imported"]
+    assert _complete(cluster.router, True) == _complete(cluster.unified, True)
+    assert cluster.decode.health()["kv_handoff_imported"] == before + 1
+
+
+def test_a_prefill_node_killed_leaves_the_prompt_to_the_decode_node(cluster: Cluster) -> None:
+    cluster.prefill.proc.kill()
+    cluster.prefill.proc.wait()
+    before = cluster.decode.health()["kv_handoff_recomputed"]
+    prompt = PROMPT[5:]  # not in the decode node's prefix cache
+    assert _complete(cluster.router, False, prompt) == _complete(cluster.unified, False, prompt)
+    assert cluster.decode.health()["kv_handoff_recomputed"] == before + 1
+    _idle(cluster.decode)
+
+
+def test_a_decode_node_killed_mid_stream_is_a_clean_error(cluster: Cluster) -> None:
+    chunks = _oai(cluster.router).completions.create(
+        model=NAME,
+        prompt=PROMPT,
+        max_tokens=800,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    start = None
+    with pytest.raises(APIError, match="decode node failed"):
+        for _ in chunks:
+            if start is None:
+                cluster.decode.proc.kill()
+                start = time.monotonic()
+    assert start is not None and time.monotonic() - start < 5
+    cluster.decode.proc.wait()
+    with pytest.raises(APIError) as info:
+        _oai(cluster.router).completions.create(model=NAME, prompt="hi", max_tokens=1)
+    assert getattr(info.value, "status_code", None) == 503
