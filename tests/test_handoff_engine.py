@@ -66,7 +66,7 @@ async def engines(checkpoint: Path, family: str):
     metrics = EngineMetrics()
     built = []
     for observer in (None, metrics, None):
-        engine, _ = build_engine(EngineConfig(**settings), observer)
+        engine, _ = build_engine(EngineConfig(**settings), observer, handoff_timeout_s=20.0)
         await engine.start()
         built.append(engine)
     metrics.collect_engine(built[1])
@@ -74,6 +74,10 @@ async def engines(checkpoint: Path, family: str):
     yield Engines(*built, block=block, metrics=metrics)
     for engine in built:
         await engine.stop()
+
+
+async def test_the_handoff_timeout_is_the_built_engines(engines: Engines) -> None:
+    assert engines.decode.handoffs.timeout_s == 20.0  # as `--handoff-timeout-s` reaches it
 
 
 class EngineSource:
@@ -255,7 +259,7 @@ async def test_failed_fetches_are_computed_locally(engines: Engines, family: str
         got.append(await run(d, ids, SHORT, hanging))
         sources.append(hanging)
     finally:
-        d.handoffs.timeout_s = 30.0
+        d.handoffs.timeout_s = 20.0
     assert got == [want] * len(sources)
     assert hanging.cancelled
     counted = {r: n - before.get(r, 0) for r, n in d.handoffs.stats.recomputed.items()}
@@ -349,7 +353,7 @@ async def test_no_room_to_reserve_computes_locally(engines: Engines, family: str
                 break
             await asyncio.sleep(0.01)
     finally:
-        d.handoffs.timeout_s = 30.0
+        d.handoffs.timeout_s = 20.0
         d.kv.free(hog)
     assert await task == want
     assert d.handoffs.stats.recomputed["no_room"] == before + 1

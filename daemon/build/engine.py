@@ -52,9 +52,12 @@ log = structlog.get_logger(__name__)
 KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old store files miss
 
 
-def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tuple[Engine, str]:
+def build_engine(
+    cfg: EngineConfig, metrics: EngineMetrics | None = None, handoff_timeout_s: float = 30.0
+) -> tuple[Engine, str]:
     """The engine and the name it serves the model under; `metrics`: its request observer
-    (what /metrics serves), None for none. A model, device or KV budget that cannot serve
+    (what /metrics serves), None for none; `handoff_timeout_s`: the most a KV handoff from a
+    prefill node may take before the prompt is computed here. A model, device or KV budget that cannot serve
     raises StartupError."""
     cfg = implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
@@ -139,6 +142,7 @@ def build_engine(cfg: EngineConfig, metrics: EngineMetrics | None = None) -> tup
         sweep_interval_s=cfg.kv_store_gc_interval_s,
         moe=moe,
         observer=metrics,
+        handoff_timeout_s=handoff_timeout_s,
     )
     if metrics is not None:
         metrics.collect_engine(engine)

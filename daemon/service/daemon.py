@@ -60,7 +60,9 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 admin_sock = unused.enter_context(bind_admin(server_cfg.admin_socket))
                 unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
             metrics = EngineMetrics()
-            engine, name = build_engine(engine_cfg, metrics)
+            engine, name = build_engine(
+                engine_cfg, metrics, handoff_timeout_s=settings.cluster.handoff_timeout_s
+            )
             # restored first: past pop_all no _StopStarting could reach the `except` below
             # with the sockets already out of the stack
             signal.signal(signal.SIGTERM, previous)
