@@ -1,8 +1,8 @@
 """A router, a prefill and a decode daemon (real processes on 127.0.0.1, a tiny random dense
 model with a chat template) against a unified daemon: the same greedy answers through the
 router, the KV handed over; then the failures: a node that refuses connections (retried), a
-client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed (computed
-on the decode node), the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed during the
+handoff and before it (computed on the decode node), the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -357,7 +358,33 @@ def test_a_restarted_router_learns_the_nodes_again(cluster: Cluster) -> None:
     assert cluster.decode.health()["kv_handoff_imported"] == before + 1
 
 
+def test_a_prefill_node_killed_during_the_handoff_leaves_the_prompt_to_the_decode_node(
+    cluster: Cluster,
+) -> None:
+    """Frozen with the decode node's fetch waiting on it, then SIGKILLed: the connection breaks
+    and the decode node computes the prompt itself at once, not after the handoff's timeout."""
+    before = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+    prompt = PROMPT[9:]
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        routed = pool.submit(_complete, cluster.router, False, prompt)
+        _until(
+            lambda: cluster.decode.health()["kv_handoffs_in_flight"] > 0,
+            5,
+            "the decode node fetching from the frozen prefill node",
+        )
+        cluster.prefill.proc.kill()
+        cluster.prefill.proc.wait()
+        text = routed.result(timeout=30)
+    assert text == _complete(cluster.unified, False, prompt)
+    after = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+    grown = {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
+    assert grown == {"connection": 1}  # the broken connection, not the timeout
+    _idle(cluster.decode)
+
+
 def test_a_prefill_node_killed_leaves_the_prompt_to_the_decode_node(cluster: Cluster) -> None:
+    """Dead before the handoff (still in the router's set until its lease lapses)."""
     cluster.prefill.proc.kill()
     cluster.prefill.proc.wait()
     before = cluster.decode.health()["kv_handoff_recomputed"]
