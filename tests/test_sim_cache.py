@@ -27,7 +27,7 @@ MB = 2**20
 def table() -> CostTable:
     return CostTable(
         Provenance("test", "2026-12-02T00:00:00+00:00", "cpu", "made by hand", "float32"),
-        KVGeometry(BLOCK, 2, 2, 16, "float32"),  # 4 KiB per block
+        KVGeometry(BLOCK, 2, 2, 16, "float32"),  # 8 KiB per block
         Grid([16, 2048], [0, 8192], [[0.01, 0.02], [0.2, 0.4]]),
         Grid([1, 64], [16, 8192], [[0.01, 0.02], [0.03, 0.1]]),
         Bandwidth(1e10),
@@ -100,7 +100,7 @@ def test_generated_trace_hits_its_ceiling(tier: str, tmp_path: Path) -> None:
     assert want > 0.3  # the trace shares prefixes
     assert summary["prefix"]["hit_rate"] == pytest.approx(want, abs=1e-12)
     by_tier = summary["prefix"]["hit_rate_by_tier"]
-    assert by_tier[tier] > 0.1  # the tier under test served hits
+    assert by_tier[tier] > 0.01  # the tier under test served hits
     node_ = sim.nodes[0]
     assert type(node_.scheduler) is Scheduler  # the daemon's own, not a model of it
     assert type(node_.prefix) is PrefixCache and type(node_.kv) is KVManager
@@ -124,7 +124,8 @@ def test_real_trace_slice_hits_its_ceiling(tmp_path: Path) -> None:
 
 
 def test_a_too_small_cache_misses(tmp_path: Path) -> None:
-    """The check can fail: device KV for about one request, no lower tier, misses."""
+    """The check can fail: device KV for half the largest request, no lower tier: misses
+    (and refuses the requests it cannot hold)."""
     lines = conversations()
     summary = summarize(run(lines, tmp_path, NodeConfig(2 * MB, 0, 8, 2048)))
     assert summary["prefix"]["hit_rate"] < ceiling(lines) - 0.05

@@ -143,4 +143,4 @@ def test_the_shipped_cpu_table_says_where_and_when() -> None:
     d = table.decode
     assert len(d.rows) > 2 and len(table.prefill.rows) > 2  # the full grid, not --quick
     assert d.seconds[-1][-1] > d.seconds[0][0]  # more sequences and context cost more
-    assert table.prefill.seconds[-1][0] > 10 * table.prefill.seconds[0][0]
+    assert table.prefill.seconds[-1][0] > 3 * table.prefill.seconds[0][0]
