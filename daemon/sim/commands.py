@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import sys
 from pathlib import Path
@@ -15,8 +16,6 @@ from daemon.build.config import EngineConfig
 from daemon.sim.router import POLICIES
 from daemon.sim.table import CostTable, TableError
 from daemon.sim.trace import TraceError, read_trace
-
-log = structlog.get_logger(__name__)
 
 TABLES = Path(__file__).parent / "tables"
 CPU_TABLE = TABLES / "cpu-smollm2.json"
@@ -103,6 +102,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     from daemon.sim.plot import plot
     from daemon.sim.result import summarize
 
+    # the scheduler's per-step debug lines (preemptions) would flood the terminal
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     problem = _check(args)
     if problem:
         print(f"deepinfer simulate: {problem}", file=sys.stderr)
