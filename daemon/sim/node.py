@@ -1,0 +1,167 @@
+"""One simulated unified node: the real KV manager, prefix cache (device / host / store tiers)
+and Scheduler, stepped by the simulator with each step's time from the cost table and its
+tier copies (and block-store reads) from the table's bandwidths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from daemon.kv.host_tier import HostTier
+from daemon.kv.manager import KVManager
+from daemon.kv.prefix import PrefixCache
+from daemon.kv.spec import FullAttentionSpec, KVGroup
+from daemon.kv.tier_ops import CacheOps, TierQueue
+from daemon.loop.request import FinishReason, Request
+from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
+from daemon.sim.cost import StepCost
+from daemon.sim.store import SimStore
+from daemon.sim.table import CostTable
+
+SALT = b"deepinfer-sim-1"  # every node serves one model: one key space, as daemons sharing a store
+MIN_STEP_S = 1e-6  # a step takes time, so the clock moves
+
+
+@dataclass
+class NodeConfig:
+    device_kv_bytes: float
+    host_bytes: float  # 0: no host tier
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class Running:
+    """A step on the node's device: what ends at `end_s`."""
+
+    step: SchedulerStep | None
+    ops: CacheOps
+    end_s: float
+
+
+@dataclass
+class NodeCounters:
+    steps: int = 0
+    busy_s: float = 0.0
+    host_bytes_saved: int = 0
+    host_bytes_loaded: int = 0
+    store_read_bytes: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class SimNode:
+    def __init__(
+        self, index: int, table: CostTable, cfg: NodeConfig, store: SimStore | None
+    ) -> None:
+        g = table.kv
+        dtype = getattr(torch, g.dtype)
+        spec = FullAttentionSpec(g.block_size, g.num_layers, dtype, g.num_kv_heads, g.head_dim)
+        groups = [KVGroup(spec, tuple(range(g.num_layers)))]
+        self.index, self.table, self.cost = index, table, StepCost(table)
+        self.block_bytes = g.bytes_per_block
+        self.host = HostTier(cfg.host_bytes) if cfg.host_bytes else None
+        self.queue = TierQueue(self.host, self.block_bytes)
+        self.kv = KVManager(
+            groups, int(cfg.device_kv_bytes), cfg.max_num_seqs, on_evict=self.queue.demote
+        )
+        self.store = store
+        self.prefix = PrefixCache(self.kv, self.queue, SALT, store=store)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix
+        )
+        # what a block copied to host memory holds: a stride-0 view, its size without its bytes
+        self._payload = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
+        self.running: Running | None = None
+        self.unfinished = 0  # requests routed here and not finished
+        self.counters = NodeCounters()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def store_read(self, req: Request, keys: list[bytes]) -> tuple[int, float]:
+        """Read the request's chain from the store now: (blocks found, seconds it takes)."""
+        assert self.store is not None
+        n = self.store.read_chain(keys)
+        nbytes = n * self.block_bytes
+        self.counters.store_read_bytes += nbytes
+        return n, self.table.store_read.seconds(max(nbytes, 1))
+
+    def loaded(self, req: Request, keys: list[bytes], found: int) -> None:
+        """The request's store read is back with `found` blocks: it waits for admission."""
+        self.prefix.receive(req, keys, [self._payload] * found)
+        self.scheduler.add(req)
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def start_step(self, now: float) -> tuple[Running | None, list[StoreRead]]:
+        """Schedule and launch the next step (or the cache ops waiting alone): what runs and
+        until when, and the store reads the scheduler asked for. (None, ...) while idle."""
+        assert self.running is None
+        step = self.scheduler.schedule()
+        reads = list(step.store_reads) if step is not None else []
+        if step is not None and not step.seqs:
+            step = None
+        ops = self.prefix.take_ops()
+        if step is None and not ops:
+            return None, reads
+        saves, loads = len(ops.block_saves), len(ops.block_loads)
+        for save in ops.block_saves:  # the device worker's copy to host memory
+            save.entry.payload = self._payload
+        seconds = self.table.host_save.seconds(saves * self.block_bytes)
+        seconds += self.table.host_load.seconds(loads * self.block_bytes)
+        c = self.counters
+        c.host_bytes_saved += saves * self.block_bytes
+        c.host_bytes_loaded += loads * self.block_bytes
+        if step is not None:
+            seconds += self.cost.seconds(step)
+            c.steps += 1
+            for s in step.seqs:
+                if s.is_decode:
+                    c.decode_tokens += 1
+                else:
+                    c.prefill_tokens += s.num_tokens
+        seconds = max(seconds, MIN_STEP_S)
+        c.busy_s += seconds
+        self.running = Running(step, ops, now + seconds)
+        return self.running, reads
+
+    def finish_step(self) -> list[tuple[Request, bool]]:
+        """The running step is done: its tokens, as (request, finished) for each sample."""
+        running, self.running = self.running, None
+        assert running is not None
+        self.prefix.completed(running.ops)
+        out: list[tuple[Request, bool]] = []
+        if running.step is None:
+            return out
+        for seq in running.step.seqs:
+            req = seq.request
+            req.num_inflight_steps -= 1
+            if not seq.samples or req.finished:
+                continue
+            req.output_ids.append(OUTPUT_TOKEN)
+            done = len(req.output_ids) >= req.params.max_tokens
+            if done:
+                self.scheduler.finish(req, FinishReason.LENGTH)
+                self.unfinished -= 1
+            out.append((req, done))
+        self.counters.preemptions = self.scheduler.num_preemptions
+        return out
+
+    def load(self) -> int:
+        return self.unfinished
+
+    def cached_prefix(self, keys: list[bytes]) -> int:
+        """Leading blocks of `keys` in this node's memory (device or host)."""
+        n = 0
+        while n < len(keys) and (
+            keys[n] in self.kv.cached or (self.host is not None and keys[n] in self.host)
+        ):
+            n += 1
+        return n
+
+
+# every sampled token: an id outside the prompts' (trace.block_tokens) vocabulary, so that
+# outputs never pass for a prompt's blocks
+OUTPUT_TOKEN = -1

@@ -1,0 +1,80 @@
+"""A simulation's figures: throughput, TTFT and TPOT percentiles, prefix hit rate by tier,
+host and block-store bytes, and the cluster's queues over time, as one JSON-ready dict."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+from daemon.kv.tier_stats import TIERS
+from daemon.sim.cluster import SimRun
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    ordered = sorted(values)
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:  # nearest rank
+        out[f"p{p}"] = ordered[min(len(ordered) - 1, max(0, -(-p * len(ordered) // 100) - 1))]
+    return out | {"mean": statistics.fmean(ordered)}
+
+
+def summarize(run: SimRun) -> dict:
+    done = [r for r in run.records if r.finish_s is not None]
+    ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    tpot = [
+        (r.finish_s - r.first_token_s) / (r.output_length - 1)
+        for r in done
+        if r.first_token_s is not None and r.output_length > 1
+    ]
+    span = max(run.end_s - min((r.arrival_s for r in run.records), default=0.0), 1e-9)
+    prompt = sum(r.input_length for r in done)
+    by_tier = {t: sum(r.cached_by_tier.get(t, 0) for r in done) for t in TIERS}
+    out_tokens = sum(r.output_length for r in done)
+    nodes = run.nodes
+    store = run.store
+    return {
+        "config": {
+            "nodes": run.cfg.nodes,
+            "policy": run.cfg.policy,
+            "time_scale": run.cfg.time_scale,
+            "store_bytes": _finite(run.cfg.store_bytes),
+            "node": {k: _finite(v) for k, v in asdict(run.cfg.node).items()},
+        },
+        "requests": len(run.records),
+        "finished": len(done),
+        "rejected": sum(r.rejected for r in run.records),
+        "simulated_s": run.end_s,
+        "wall_s": run.wall_s,
+        "throughput": {
+            "output_tok_s": out_tokens / span,
+            "input_tok_s": prompt / span,
+            "requests_s": len(done) / span,
+        },
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "prefix": {
+            "prompt_tokens": prompt,
+            "hit_tokens": sum(by_tier.values()),
+            "hit_rate": sum(by_tier.values()) / prompt if prompt else 0.0,
+            "hit_rate_by_tier": {t: by_tier[t] / prompt if prompt else 0.0 for t in TIERS},
+            "hit_tokens_by_tier": by_tier,
+        },
+        "host_bytes": {
+            "saved": sum(n.counters.host_bytes_saved for n in nodes),
+            "loaded": sum(n.counters.host_bytes_loaded for n in nodes),
+        },
+        "store_bytes": {
+            "written": store.counters.bytes_written if store else 0,
+            "read": store.counters.bytes_read if store else 0,
+        },
+        "per_node": [asdict(n.counters) | {"utilization": n.counters.busy_s / span} for n in nodes],
+        "timeline": [asdict(s) for s in run.samples],
+    }
+
+
+def _finite(x: float) -> float | str:
+    return "unlimited" if x == float("inf") else x
