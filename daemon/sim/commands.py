@@ -99,7 +99,6 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
 def run_simulate(args: argparse.Namespace) -> int:
     from daemon.sim.cluster import ClusterConfig, simulate
     from daemon.sim.node import NodeConfig
-    from daemon.sim.plot import plot
     from daemon.sim.result import summarize
 
     # the scheduler's per-step debug lines (preemptions) would flood the terminal
@@ -125,14 +124,20 @@ def run_simulate(args: argparse.Namespace) -> int:
     summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
     out = Path(args.out)
     out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    png = out.with_suffix(".png")
-    plot(run, summary, png)
+    png: Path | None = out.with_suffix(".png")
+    try:
+        from daemon.sim.plot import plot
+    except ModuleNotFoundError:  # matplotlib: the `sim` extra
+        png = None
+        print("deepinfer simulate: matplotlib is not installed (the `sim` extra): no plot")
+    else:
+        plot(run, summary, png)
     t, p = summary["ttft_s"], summary["prefix"]
     print(
         f"{summary['finished']}/{summary['requests']} requests in {run.end_s:.1f} simulated s "
         f"({run.wall_s:.1f} s wall): {summary['throughput']['output_tok_s']:.1f} output tok/s, "
         f"TTFT p50 {t['p50']} s p99 {t['p99']} s, hit rate {100 * p['hit_rate']:.1f} %; "
-        f"wrote {out} and {png}"
+        f"wrote {out}" + (f" and {png}" if png else "")
     )
     return 0
 
