@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import aetcd
@@ -64,20 +65,7 @@ class EtcdAnnouncer:
                 await asyncio.wait_for(self.client.close(), self.timeout)
 
     async def _keep(self) -> None:
-        loop = asyncio.get_running_loop()
-        reachable = True
-        while True:
-            started = loop.time()
-            try:
-                await self._beat()
-                if not reachable:
-                    log.info("etcd_reachable", etcd=self.where)
-                reachable = True
-            except _FAILURES as e:
-                if reachable:
-                    log.warning("etcd_unreachable", etcd=self.where, error=repr(e))
-                reachable = False
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
+        await _every(self.interval, self.where, self._beat)
 
     async def _beat(self) -> None:
         if self.lease is not None:
@@ -146,17 +134,23 @@ class EtcdPeerFeed:
         self._known = seen
 
     async def _poll(self) -> None:
-        loop = asyncio.get_running_loop()
-        reachable = True
-        while True:
-            started = loop.time()
-            try:
-                await self.sync()
-                if not reachable:
-                    log.info("etcd_reachable", etcd=self.where)
-                reachable = True
-            except _FAILURES as e:
-                if reachable:
-                    log.warning("etcd_unreachable", etcd=self.where, error=repr(e))
-                reachable = False
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
+        await _every(self.interval, self.where, self.sync)
+
+
+async def _every(interval: float, where: str, work: Callable[[], Awaitable[None]]) -> None:
+    """`work` every `interval` seconds, for ever; etcd being unreachable is logged once per
+    outage, not per try."""
+    loop = asyncio.get_running_loop()
+    reachable = True
+    while True:
+        started = loop.time()
+        try:
+            await work()
+            if not reachable:
+                log.info("etcd_reachable", etcd=where)
+            reachable = True
+        except _FAILURES as e:
+            if reachable:
+                log.warning("etcd_unreachable", etcd=where, error=repr(e))
+            reachable = False
+        await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
