@@ -5,6 +5,7 @@ the low watermark. A file's mtime is its last use; a block being read is never d
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import stat
 import time
@@ -105,11 +106,12 @@ class StoreSweeper:
                     continue
                 if not name.endswith(SUFFIX):
                     continue
-                # a FIFO, link or directory in the store is garbage: it expires now
+                # a FIFO, link, directory or unreadable file in the store is garbage: it has
+                # already expired, whatever its mtime (which may be later than `now`)
                 regular = stat.S_ISREG(st.st_mode)
                 cls = self._traffic_class(path, st.st_ino) if regular else None
                 seen.add(st.st_ino)
-                expires = st.st_mtime + (self.classes.retention(cls) if cls else 0.0)
+                expires = st.st_mtime + self.classes.retention(cls) if cls else -math.inf
                 blocks.append(_Block(expires, path, st.st_ino, st.st_mtime_ns, st.st_size))
         self._class_of = {i: c for i, c in self._class_of.items() if i in seen}
         return blocks
