@@ -56,6 +56,7 @@ class Cluster:
     decode: Node
     unified: Node
     router_command: tuple[int, list[str], Path]  # port, args, log: to start it again
+    node_args: list[str]  # what the prefill and decode nodes were given, less their cluster part
 
     def restart_router(self) -> None:
         self.router.proc.kill()
@@ -129,10 +130,10 @@ def start_cluster(
         nodes = {role: Node(urls[role], procs[role]) for role in args}
         command = (ports["router"], args["router"], tmp / "router.log")
         _until(
-            lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1},
+            lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1, "unified": 0},
             what="both nodes registered",
         )
-        yield Cluster(**nodes, router_command=command)
+        yield Cluster(**nodes, router_command=command, node_args=node)
     finally:
         for role, proc in procs.items():
             _stop(nodes[role].proc if role == "router" and nodes else proc)
@@ -191,10 +192,19 @@ def test_completions_through_the_router_equal_a_unified_node(
 ) -> None:
     before = cluster.decode.health()["kv_handoff_imported"]
     exported = cluster.prefill.health()["kv_handoff_exported"]
+    seconds = [cluster.decode.health()["kv_handoff_seconds_by_phase"]]
+    seconds.append(cluster.prefill.health()["kv_handoff_seconds_by_phase"])
     routed = _complete(cluster.router, stream)
     assert routed == _complete(cluster.unified, stream)
     assert cluster.decode.health()["kv_handoff_imported"] == before + 1
     assert cluster.prefill.health()["kv_handoff_exported"] == exported + 1
+    # each phase's time was counted on the side it runs on
+    for node, phases in (
+        (cluster.decode, ("fetch", "import")),
+        (cluster.prefill, ("export", "send")),
+    ):
+        now = node.health()["kv_handoff_seconds_by_phase"]
+        assert all(now[p] > seconds[0 if node is cluster.decode else 1][p] for p in phases)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -350,7 +360,7 @@ def test_a_frozen_prefill_node_leaves_the_prompt_to_the_decode_node(cluster: Clu
 def test_a_restarted_router_learns_the_nodes_again(cluster: Cluster) -> None:
     cluster.restart_router()
     _until(
-        lambda: cluster.router.health()["nodes"] == {"prefill": 1, "decode": 1},
+        lambda: cluster.router.health()["nodes"] == {"prefill": 1, "decode": 1, "unified": 0},
         what="both nodes registered again",
     )
     before = cluster.decode.health()["kv_handoff_imported"]
@@ -404,7 +414,7 @@ def test_a_decode_node_killed_mid_stream_is_a_clean_error(cluster: Cluster) -> N
         extra_body={"ignore_eos": True},
     )
     start = None
-    with pytest.raises(APIError, match="decode node failed"):
+    with pytest.raises(APIError, match="serving node failed"):
         for _ in chunks:
             if start is None:
                 cluster.decode.proc.kill()
@@ -414,3 +424,26 @@ def test_a_decode_node_killed_mid_stream_is_a_clean_error(cluster: Cluster) -> N
     with pytest.raises(APIError) as info:
         _oai(cluster.router).completions.create(model=NAME, prompt="hi", max_tokens=1)
     assert getattr(info.value, "status_code", None) == 503
+
+
+def test_a_unified_node_given_the_router_as_peer_takes_routed_requests(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """It registers, is picked (idle, and its id sorts first; the decode node may be gone by
+    now), computes the prompt itself (no handoff) and answers as a unified node asked directly;
+    it leaves the router on SIGTERM."""
+    port = free_port()
+    args = [*cluster.node_args, "--kv-store-dir", str(tmp_path / "store")]
+    args += ["--peers", cluster.router.url, "--node-id", "a-unified", "--lease-s", "3"]
+    proc = spawn(port, args, tmp_path / "unified.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 120)
+        node = Node(f"http://127.0.0.1:{port}", proc)
+        _until(lambda: cluster.router.health()["nodes"]["unified"] == 1, what="registered")
+        prompt = list(range(1200, 1260))
+        assert _complete(cluster.router, False, prompt) == _complete(cluster.unified, False, prompt)
+        health = node.health()
+        assert (health["prefix_requests"], health["kv_handoff_imported"]) == (1, 0)
+    finally:
+        _stop(proc)
+    _until(lambda: cluster.router.health()["nodes"]["unified"] == 0, what="it left the router")

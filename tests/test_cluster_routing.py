@@ -40,13 +40,27 @@ def test_a_decode_node_is_picked_by_free_blocks_and_running_requests() -> None:
         _node("d3", "decode", model="other"),
         _node("p1", "prefill"),
     )
-    assert r.pick_decode("m").node_id == "d2"
-    assert r.pick_decode("m", exclude={"d2"}).node_id == "d1"
-    assert r.pick_decode("m", exclude={"d1", "d2"}) is None
-    assert r.pick_decode("nope") is None
+    assert r.pick_node("m").node_id == "d2"
+    assert r.pick_node("m", exclude={"d2"}).node_id == "d1"
+    assert r.pick_node("m", exclude={"d1", "d2"}) is None
+    assert r.pick_node("nope") is None
     assert r.models() == ["m", "other"]
     r.in_flight["d2"] += 9  # what this router has sent there since
-    assert r.pick_decode("m").node_id == "d1"
+    assert r.pick_node("m").node_id == "d1"
+
+
+def test_unified_nodes_are_served_through_like_decode_nodes() -> None:
+    r = _router(
+        _node("u1", "unified", running=4),
+        _node("u2", "unified", model="solo", running=1),
+        _node("d1", "decode", running=6),
+        _node("p1", "prefill", model="prefill-only"),
+    )
+    assert r.models() == ["m", "solo"]  # a prefill node serves no request itself
+    assert r.pick_node("m").node_id == "u1"
+    assert r.pick_node("m", exclude={"u1"}).node_id == "d1"
+    assert r.pick_node("solo").node_id == "u2"
+    assert r.pick_node("prefill-only") is None
 
 
 def test_a_prefill_node_is_picked_by_its_prefix_then_by_load() -> None:

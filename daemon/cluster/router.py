@@ -1,5 +1,6 @@
-"""The router's choices: a decode node for a request (free KV, running requests) and a prefill
-node for a handoff (longest cached prefix, then load), among the live peers of one model."""
+"""The router's choices: a node to serve a request (a decode node, or a unified one that
+computes its prompt itself; by free KV and running requests) and a prefill node for a handoff
+(longest cached prefix, then load), among the live peers of one model."""
 
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ class PrefillRoute:
     matched_blocks: int
 
 
+# the roles a request is sent to: a decode node fetches its prompt's KV from a prefill node, a
+# unified node computes it (behind one router, a plain load balancer of unified nodes)
+SERVING_ROLES = ("decode", "unified")
+
+
 class Router:
-    """Only prefill / decode nodes are routed to; a request goes to nodes serving its `model`,
-    a handoff to prefill nodes of the decode node's fingerprint."""
+    """A request goes to a serving node (SERVING_ROLES) of its `model`, a handoff to a prefill
+    node of the decode node's fingerprint."""
 
     def __init__(self, peers: PeerSet, index: PrefixIndex | None = None) -> None:
         self.peers = peers
@@ -29,23 +35,26 @@ class Router:
         self._routed: Counter[str] = Counter()  # prefill routes, a tie-breaker
 
     def models(self) -> list[str]:
-        """The served model names of the live decode nodes."""
-        return sorted({n.served_model for n in self.peers.live("decode")})
+        """The served model names of the live serving nodes."""
+        return sorted({n.served_model for n in self.serving()})
 
     def served_models(self) -> set[str]:
         """The served model names of every live node, whatever its role."""
         return {n.served_model for n in self.peers.live()}
 
-    def decode_nodes(self, model: str) -> list[NodeInfo]:
-        return [n for n in self.peers.live("decode") if n.served_model == model]
+    def serving_nodes(self, model: str) -> list[NodeInfo]:
+        return [n for n in self.serving() if n.served_model == model]
 
-    def pick_decode(self, model: str, exclude: set[str] = frozenset()) -> NodeInfo | None:
-        nodes = [n for n in self.decode_nodes(model) if n.node_id not in exclude]
+    def serving(self) -> list[NodeInfo]:
+        return [n for n in self.peers.live() if n.role in SERVING_ROLES]
+
+    def pick_node(self, model: str, exclude: set[str] = frozenset()) -> NodeInfo | None:
+        nodes = [n for n in self.serving_nodes(model) if n.node_id not in exclude]
         if not nodes:
             return None
-        return min(nodes, key=lambda n: (self._decode_load(n), n.node_id))
+        return min(nodes, key=lambda n: (self._load(n), n.node_id))
 
-    def _decode_load(self, n: NodeInfo) -> float:
+    def _load(self, n: NodeInfo) -> float:
         """Busy share of the request slots minus the free share of the KV blocks."""
         seqs = max(n.capacity.get("max_num_seqs", 1), 1)
         blocks = max(n.capacity.get("kv_blocks", 1), 1)

@@ -44,17 +44,22 @@ RECOMPUTE_REASONS = (
     "prompt_logprobs",
 )
 
+HANDOFF_PHASES = ("fetch", "import", "export", "send")
+
 
 @dataclass
 class HandoffStats:
     """Handoff counts since start: requests imported or recomputed (by reason) on the decode
-    side, exports made on the prefill side, and the bytes each way."""
+    side, exports made on the prefill side, the bytes each way, and the seconds spent by phase
+    (of the handoffs that succeeded): the decode side's fetch (route, the prefill node's compute
+    and the payload) and import, the prefill side's export (compute and device read) and send."""
 
     imported: int = 0
     exported: int = 0
     recomputed: Counter[str] = field(default_factory=Counter)
     bytes_imported: int = 0
     bytes_exported: int = 0
+    seconds: Counter[str] = field(default_factory=Counter)  # by HANDOFF_PHASES
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -64,6 +69,7 @@ class HandoffStats:
             "kv_handoff_bytes_imported": self.bytes_imported,
             "kv_handoff_bytes_exported": self.bytes_exported,
             "kv_handoff_recomputed_by_reason": {r: self.recomputed[r] for r in RECOMPUTE_REASONS},
+            "kv_handoff_seconds_by_phase": {p: self.seconds[p] for p in HANDOFF_PHASES},
         }
 
 

@@ -5,6 +5,7 @@ waiting for the device thread's next run."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import structlog
@@ -49,6 +50,7 @@ class Handoffs:
         self.stats = HandoffStats()
         self.tasks: dict[str, asyncio.Task[None]] = {}  # request id -> its fetch and import
         self.exporting: dict[str, asyncio.Future[KVExport]] = {}  # prefill_export's waiters
+        self._export_started: dict[str, float] = {}  # request id -> monotonic time
         self.pending: list[KVTransfer] = []  # for the device thread's next run
 
     @property
@@ -80,7 +82,9 @@ class Handoffs:
                     await asyncio.sleep(RESERVE_POLL_S)
                 stage = "timeout"
                 keys = list(self.prefix.keys(req)) if self.prefix is not None else []
+                started = time.monotonic()
                 export = await source.fetch(list(req.prompt_ids), keys, end)
+                fetched = time.monotonic()
                 check_blocks(export, self.cache, self.kv, end)
                 tables = [list(t) for t in self.kv.block_tables(rid)]
                 loop = asyncio.get_running_loop()
@@ -101,6 +105,8 @@ class Handoffs:
         else:
             self.stats.imported += 1
             self.stats.bytes_imported += export_bytes(export)
+            self.stats.seconds["fetch"] += fetched - started
+            self.stats.seconds["import"] += time.monotonic() - fetched
             req.num_computed = end
             self._admit(req)
             return
@@ -123,13 +129,21 @@ class Handoffs:
     def expect_export(self, request_id: str) -> asyncio.Future[KVExport]:
         done: asyncio.Future[KVExport] = asyncio.get_running_loop().create_future()
         self.exporting[request_id] = done
+        self._export_started[request_id] = time.monotonic()
         return done
 
     def exported(self, request_id: str, export: KVExport | None) -> None:
         self.exporting.pop(request_id, None)
+        started = self._export_started.pop(request_id, None)
         if export is not None:
             self.stats.exported += 1
             self.stats.bytes_exported += export_bytes(export)
+            if started is not None:
+                self.stats.seconds["export"] += time.monotonic() - started
+
+    def sent(self, seconds: float) -> None:
+        """The prefill side's payload of an export went out in `seconds` (the HTTP layer's)."""
+        self.stats.seconds["send"] += seconds
 
     def export(self, req: Request, tables: list[list[int]]) -> None:
         """Read the request's computed KV (its blocks kept, out of the queues)."""

@@ -233,6 +233,16 @@ def _handoff(stats: dict) -> Iterator[Metric]:
     moved.add_metric(["imported"], stats["kv_handoff_bytes_imported"])
     moved.add_metric(["exported"], stats["kv_handoff_bytes_exported"])
     yield moved
+    seconds = CounterMetricFamily(
+        "deepinfer:kv_handoff_seconds",
+        "Seconds spent in handoffs that succeeded, by phase: fetch (decode side: route, the "
+        "prefill node's compute, the payload), import (decode side, into the reserved blocks), "
+        "export (prefill side: compute and device read), send (prefill side: the payload).",
+        labels=["phase"],
+    )
+    for phase, value in stats["kv_handoff_seconds_by_phase"].items():
+        seconds.add_metric([phase], value)
+    yield seconds
 
 
 def _spec(stats: dict) -> Iterator[Metric]:

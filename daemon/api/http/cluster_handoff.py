@@ -117,10 +117,12 @@ async def prefill(request: web.Request) -> web.StreamResponse:
         raise ApiError(504, "the handoff's lease ran out before the prefill was done", code="lease")
     meta = HandoffMeta(handoff_id, cfg.epoch, digest, deadline, cfg.fingerprint)
     response = web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE})
+    sending = time.monotonic()
     await response.prepare(request)
     async for chunk in encode(export, meta):
         await response.write(chunk)
     await response.write_eof()
+    state.engine.handoffs.sent(time.monotonic() - sending)
     log.info(
         "kv_handoff_sent", handoff_id=handoff_id, tokens=end, seconds=round(time.time() - start, 4)
     )

@@ -1,7 +1,8 @@
-"""The router's proxy of the four generation APIs: a decode node picked for the request's model,
-the body sent on with the handoff headers, its answer relayed back byte for byte. A node that
-fails before anything reached the client is retried once elsewhere; one that fails after ends
-the stream with the protocol's error event; a client gone closes the upstream at once."""
+"""The router's proxy of the four generation APIs: a serving node (decode or unified) picked for
+the request's model, the body sent on with the handoff headers, its answer relayed back byte for
+byte. A node that fails before anything reached the client is retried once elsewhere; one that
+fails after ends the stream with the protocol's error event; a client gone closes the upstream
+at once."""
 
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         raise bad_request("'model' must be a string", "model")
     raw = await request.read()
     state.metrics.requests.labels(request.path).inc()
-    if not state.router.decode_nodes(model):
+    if not state.router.serving_nodes(model):
         raise _no_node(state, model)
     failed: _Failed | None = None
     tried: set[str] = set()
     for attempt in range(2):
-        node = state.router.pick_decode(model, tried)
+        node = state.router.pick_node(model, tried)
         if node is None:
             break
         if attempt:
@@ -91,16 +92,16 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         failed = result
         state.metrics.failures.labels(result.reason).inc()
         log.warning(
-            "decode_node_failed", node=node.node_id, reason=result.reason, retry=not attempt
+            "serving_node_failed", node=node.node_id, reason=result.reason, retry=not attempt
         )
     if failed is not None and failed.body is not None:
         return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
-    raise unavailable("no decode node could take the request; retry later", 1)
+    raise unavailable("no node could take the request; retry later", 1)
 
 
 def _no_node(state: RouterState, model: str) -> ApiError:
-    if model in state.router.served_models() or not state.router.peers.live("decode"):
-        return unavailable(f"no decode node serving `{model}` is available; retry later", 1)
+    if model in state.router.served_models() or not state.router.serving():
+        return unavailable(f"no node serving `{model}` is available; retry later", 1)
     return model_not_found(model)
 
 
@@ -185,14 +186,14 @@ async def _broken(
     reason: str,
 ) -> web.StreamResponse:
     state.metrics.failures.labels(f"stream_{reason}").inc()
-    log.warning("decode_node_failed_mid_stream", node=node.node_id, reason=reason)
+    log.warning("serving_node_failed_mid_stream", node=node.node_id, reason=reason)
     await response.write(_error_event(request))
     await response.write_eof()
     return response
 
 
 def _error_event(request: web.Request) -> bytes:
-    message = "the decode node failed while streaming this answer; retry the request"
+    message = "the serving node failed while streaming this answer; retry the request"
     if is_anthropic(request):
         data = anthropic_error_body(503, message)
         return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"

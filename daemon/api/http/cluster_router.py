@@ -106,7 +106,7 @@ async def health(request: web.Request) -> web.Response:
         {
             "status": "ok",
             "role": "router",
-            "nodes": {role: roles.get(role, 0) for role in ("prefill", "decode")},
+            "nodes": {role: roles.get(role, 0) for role in ("prefill", "decode", "unified")},
             "in_flight": sum(state.router.in_flight.values()),
         }
     )

