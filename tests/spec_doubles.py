@@ -58,7 +58,7 @@ class VerifyAll:
     """Every candidate verifies all its drafts."""
 
     outcomes: list[tuple[int, int]] = field(default_factory=list)
-    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    steps: list[tuple[int, int, int, float]] = field(default_factory=list)
 
     def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
         return [c.max_len for c in candidates]
@@ -66,8 +66,8 @@ class VerifyAll:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.outcomes.append((verified, accepted))
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        self.steps.append((num_tokens, num_seqs, seconds))
+    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        self.steps.append((num_tokens, num_seqs, num_drafts, seconds))
 
     def calibration(self) -> list[dict[str, float | int | None]]:
         return []  # it keeps outcomes, not a calibrated map

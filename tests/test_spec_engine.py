@@ -100,6 +100,9 @@ async def test_greedy_equals_no_speculation_beside_plain_requests(checkpoint, pr
     assert stats["spec_draft_tokens"] == sum(v for v, _ in drafter.observed)
     assert spec.policy.outcomes == drafter.observed
     assert drafter.ended == len(prompts)  # each request of the speculating run, told once
+    # every step timed for the cost, its draft rows told apart from its chunks' tokens
+    assert sum(d for _, _, d, _ in spec.policy.steps) == stats["spec_draft_tokens"]
+    assert all(t - s - d >= 0 for t, s, d, _ in spec.policy.steps)
 
 
 async def test_stops_and_max_tokens_inside_a_multi_token_step(checkpoint, prompts):

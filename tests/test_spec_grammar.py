@@ -195,6 +195,39 @@ async def test_ngram_drafter_with_grammar_and_penalties(checkpoint, grammars, pr
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+async def test_layer_skip_drafts_under_the_grammar(checkpoint, grammars, prompts):
+    """The device drafter's passes are masked by the grammar along the draft: no draft of a
+    constrained request is cut at its verify, and the output equals no speculation."""
+    params = [grammar(grammars["regex"]), plain, grammar(grammars["json"]), plain]
+    plain_engine = await started(checkpoint, overlap=False)
+    try:
+        reference = await run_all(plain_engine, prompts, params)
+    finally:
+        await plain_engine.stop()
+    engine = await started(
+        checkpoint, overlap=False, speculative="layer-skip", draft_layers=1, spec_policy="fixed"
+    )
+    constrained: list[int] = []
+    prepare = engine.runner.prepare
+
+    def prepared(step, kv, ops):
+        for s in step.seqs:
+            if s.draft and s.request.params.constraint is not None:
+                constrained.append(len(s.draft))
+        return prepare(step, kv, ops)
+
+    engine.runner.prepare = prepared
+    try:
+        drafted = await run_all(engine, prompts, params)
+        stats = engine.stats()
+    finally:
+        await engine.stop()
+    assert drafted == reference
+    assert constrained and stats["spec_draft_tokens"] > 0
+    assert engine.runner.drafts_cut == 0  # every draft the passes made lies in the grammar
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

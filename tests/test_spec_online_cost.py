@@ -1,6 +1,8 @@
 """The online correction of the step-cost table: the table as is until steps are measured, the
-intercept from decode-only steps, the slope once verify steps measure it, old steps forgotten,
-and the adaptive policy drafting less once the measured cost of a draft is higher."""
+intercept from decode-only steps, the slope once verify steps measure it, steps with prefill
+chunks fitted apart (their drafts' slope recovered though the chunks shrink as drafts grow), old
+steps forgotten, and the adaptive policy drafting less once the measured cost of a draft is
+higher, with chunks in every step or none."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ def true_seconds(num_tokens: int) -> float:
 def test_unobserved_is_the_table() -> None:
     cost = MeasuredCost(table())
     for tokens in (64, 70, 128, 300):
+        assert cost.seconds(tokens, 64, tokens - 64) == table().seconds(tokens, 64)
         assert cost.seconds(tokens, 64) == table().seconds(tokens, 64)
     assert cost.rollback_seconds == 1e-6 and cost.corrections() == []
 
@@ -32,12 +35,13 @@ def test_unobserved_is_the_table() -> None:
 def test_decode_steps_move_the_intercept_not_the_slope() -> None:
     cost = MeasuredCost(table())
     for _ in range(200):
-        cost.observe(64, 64, true_seconds(64))
+        cost.observe(64, 64, 0, true_seconds(64))
     assert abs(cost.seconds(64, 64) - 0.097) < 1e-3
-    slope = (cost.seconds(128, 64) - cost.seconds(64, 64)) / 64
+    slope = (cost.seconds(128, 64, 64) - cost.seconds(64, 64)) / 64
     assert abs(slope - 0.83e-3) < 0.02e-3  # the table's: no step measured it
     assert cost.seconds(100, 100) < table().seconds(100, 100)  # the same bucket (64..127)
     assert cost.seconds(60, 60) == table().seconds(60, 60)  # another bucket: untouched
+    assert cost.seconds(96, 64) == table().seconds(96, 64)  # a step with a chunk: untouched
 
 
 def test_verify_steps_teach_the_slope() -> None:
@@ -45,28 +49,30 @@ def test_verify_steps_teach_the_slope() -> None:
     rng = random.Random(0)
     for _ in range(300):
         tokens = 64 + rng.choice([0, 0, 0, 4, 8, 16, 24])
-        cost.observe(tokens, 64, true_seconds(tokens) * rng.uniform(0.97, 1.03))
+        cost.observe(tokens, 64, tokens - 64, true_seconds(tokens) * rng.uniform(0.97, 1.03))
     for tokens in (64, 72, 88):
-        assert abs(cost.seconds(tokens, 64) - true_seconds(tokens)) < 0.004
+        assert abs(cost.seconds(tokens, 64, tokens - 64) - true_seconds(tokens)) < 0.004
     (fit,) = cost.corrections()
-    assert fit["min_seqs"] == 64 and fit["max_seqs"] == 127
+    assert fit["min_seqs"] == 64 and fit["max_seqs"] == 127 and not fit["chunks"]
     assert fit["slope_s_per_token"] > 0  # steeper than the table
 
 
 def test_old_steps_are_forgotten() -> None:
     cost = MeasuredCost(table())
     for _ in range(300):
-        cost.observe(64, 64, 0.2)
+        cost.observe(64, 64, 0, 0.2)
     for _ in range(300):
-        cost.observe(64, 64, 0.1)
+        cost.observe(64, 64, 0, 0.1)
     assert abs(cost.seconds(64, 64) - 0.1) < 2e-3
 
 
 def test_steps_that_cannot_be_steps_are_ignored() -> None:
     cost = MeasuredCost(table())
-    cost.observe(10, 64, 0.1)  # fewer rows than sequences
-    cost.observe(64, 0, 0.1)
-    cost.observe(64, 64, 0.0)
+    cost.observe(10, 64, 0, 0.1)  # fewer rows than sequences
+    cost.observe(64, 0, 0, 0.1)
+    cost.observe(64, 64, 0, 0.0)
+    cost.observe(70, 64, 7, 0.1)  # more drafts than rows beyond the sequences
+    cost.observe(70, 64, -1, 0.1)
     assert cost.corrections() == []
 
 
@@ -80,6 +86,57 @@ def test_policy_drafts_less_once_drafts_are_measured_dear() -> None:
     rng = random.Random(1)
     for _ in range(300):
         tokens = 64 + rng.choice([0, 0, 8, 16])
-        policy.observe_step(tokens, 64, true_seconds(tokens))
+        policy.observe_step(tokens, 64, tokens - 64, true_seconds(tokens))
     # measured: 1.08 ms a token against 1.5 ms a decode: a 0.6 survival does not pay
     assert sum(policy.choose(candidates, 64, 64)) == 0
+
+
+def mixed_seconds(drafts: int, chunk: int) -> float:
+    # steps with a chunk: 97 ms of decodes plus 4 ms of the eager path, 1.08 ms per draft row,
+    # and chunk tokens at 0.7 ms, cheaper than the table's 0.83 ms
+    return 0.101 + 1.08e-3 * drafts + 0.7e-3 * chunk
+
+
+def mixed_steps(n: int, seed: int) -> list[tuple[int, int]]:
+    """(drafts, chunk tokens) of steps over 64 sequences as admission makes them: a chunk fills
+    the budget, drafts take what a prompt's last chunk leaves."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            out.append((0, rng.randint(200, 448)))
+        else:
+            out.append((rng.choice([4, 8, 16, 24]), rng.randint(8, 96)))
+    return out
+
+
+def test_mixed_steps_teach_their_own_slope() -> None:
+    cost = MeasuredCost(table())
+    rng = random.Random(2)
+    for drafts, chunk in mixed_steps(400, 3):
+        seconds = mixed_seconds(drafts, chunk) * rng.uniform(0.98, 1.02)
+        cost.observe(64 + drafts + chunk, 64, drafts, seconds)
+    for drafts, chunk in ((0, 300), (0, 16), (8, 16), (24, 64)):
+        tokens = 64 + chunk + drafts
+        assert abs(cost.seconds(tokens, 64, drafts) - mixed_seconds(drafts, chunk)) < 0.003
+    for chunk in (16, 64, 300):
+        slope = (cost.seconds(64 + chunk + 16, 64, 16) - cost.seconds(64 + chunk, 64)) / 16
+        # the drafts' slope, not the chunks' (their tokens fall as drafts rise)
+        assert abs(slope - 1.08e-3) < 0.08e-3
+    (fit,) = cost.corrections()
+    assert fit["chunks"] and fit["min_seqs"] == 64
+    # chunk-free steps keep the table until they are measured
+    assert cost.seconds(80, 64, 16) == table().seconds(80, 64)
+
+
+def test_policy_drafts_less_once_mixed_drafts_are_measured_dear() -> None:
+    policy = build_policy("adaptive", 5, table())
+    assert isinstance(policy, AdaptivePolicy)
+    # a 32-token chunk in the step; survivals of 0.45: worth it at the table's 0.83 ms a draft
+    # against 2.2 ms a sequence's share of the step
+    candidates = [Candidate(f"r{i}", [0.45] * 5, 5) for i in range(8)]
+    assert sum(policy.choose(candidates, 64, 64 + 32)) > 0
+    for drafts, chunk in mixed_steps(300, 4):
+        policy.observe_step(64 + drafts + chunk, 64, drafts, mixed_seconds(drafts, chunk))
+    # measured: 1.08 ms a draft against 1.8 ms a share: a 0.45 survival does not pay
+    assert sum(policy.choose(candidates, 64, 64 + 32)) == 0

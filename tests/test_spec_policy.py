@@ -21,7 +21,7 @@ class TableCost:
     def __init__(self, by_tokens: dict[int, float]) -> None:
         self.by_tokens = by_tokens
 
-    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
         return self.by_tokens[num_tokens]
 
 
@@ -29,7 +29,7 @@ class LinearCost:
     def __init__(self, fixed: float, per_token: float) -> None:
         self.fixed, self.per_token = fixed, per_token
 
-    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
         return self.fixed + self.per_token * num_tokens
 
 

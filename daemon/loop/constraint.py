@@ -25,6 +25,12 @@ class Constraint(Protocol):
         allowed and the rows written (those where it constrains); its state is left as it was."""
         ...
 
+    def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> bool:
+        """Write into bitmask[row] the tokens allowed after `tokens` (which follow those it has
+        seen): a draft pass's mask. False where it does not constrain there, or `tokens` leave
+        its language; its state is left as it was."""
+        ...
+
     def accept(self, token: int) -> None: ...
 
 
@@ -70,6 +76,23 @@ class GrammarConstraint:
                 self.matcher.rollback(steps)
             self.active = active
         return allowed, rows
+
+    def fill_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> bool:
+        """The matcher steps along `tokens` as `accept` would, fills, then rolls back."""
+        active, steps = self.active, 0
+        try:
+            for token in tokens:
+                if not self.active or self.matcher.is_terminated():
+                    self.accept(token)  # free (before the trigger) or terminated: no step
+                    continue
+                if not self.matcher.accept_token(token):
+                    return False
+                steps += 1
+            return self.fill(bitmask, row)
+        finally:
+            if steps:
+                self.matcher.rollback(steps)
+            self.active = active
 
     def accept(self, token: int) -> None:
         if not self.active:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from daemon.loop.constraint import Constraint, allocate_bitmask, apply_bitmask
 from daemon.loop.request import SamplingParams
 from daemon.loop.sampler import SamplingBatch, row_generator, warped_probs
 from daemon.loop.spec.base import Draft
@@ -171,11 +172,15 @@ def draft_passes(
     hidden: torch.Tensor,
     generator: torch.Generator,
     vocab: int,
+    taken: list[list[int]] | None = None,
 ) -> Drafted:
     """Up to max(counts) passes of one token per sequence through `network` (fewer as counts
     run out), each writing the network's KV at its position. `last_tokens`: the runner's,
     holding what the step sampled; `accepted`: per verify sequence, the drafts it took;
-    `hidden`: the target's hidden rows of the step's logits rows (the first pass's context)."""
+    `hidden`: the target's hidden rows of the step's logits rows (the first pass's context).
+    A sequence with a grammar drafts under it: each pass's logits masked by what it allows
+    after the tokens its matcher has not seen, `taken[i]` (the drafts its verify accepted,
+    before the token the step sampled) and the drafts before."""
     dev = last_tokens.device
     n, k = len(rows.slots), max(rows.counts)
     took = [accepted[v] if v is not None else 0 for v in rows.verify]
@@ -193,6 +198,7 @@ def draft_passes(
     sampled = [i for i, p in enumerate(rows.params) if not p.greedy]
     probs = torch.zeros(len(sampled), k, vocab, device=dev) if sampled else None
     at = {i: r for r, i in enumerate(sampled)}  # sequence -> its row of `probs`
+    grammar = _DraftGrammar.of(rows, tokens, taken or [[] for _ in range(n)], vocab)
     for j in range(k):
         act = [i for i in range(n) if rows.counts[i] > j]
         index = torch.tensor(act, dtype=torch.long, device=dev)
@@ -203,6 +209,8 @@ def draft_passes(
         ctx = context[torch.tensor([row_of[i] for i in act], dtype=torch.long, device=dev)]
         out = network.forward(tokens[index, j], pos.to(dev, non_blocking=True), attention, ctx)
         logits = network.logits(out)
+        if grammar is not None:
+            grammar.mask(logits, act)
         context, context_of = out, act
         params = [rows.params[i] for i in act]
         sb = SamplingBatch.build(params, [first[i] + j for i in act], vocab).to(dev)
@@ -218,10 +226,57 @@ def draft_passes(
             probs[targets, j] = q[torch.tensor(rows_q, dtype=torch.long, device=dev)]
         tokens[index, j + 1] = chosen
         confidence[index, j] = q.gather(1, chosen[:, None]).squeeze(1)
+        if grammar is not None:
+            grammar.took(act, chosen)
     per_seq: list[torch.Tensor | None] = [
         probs[at[i], : rows.counts[i]] if i in at and probs is not None else None for i in range(n)
     ]
     return Drafted(rows, positions, tokens, confidence, per_seq)
+
+
+@dataclass
+class _DraftGrammar:
+    """The constrained sequences' tokens on the host as their passes go (what their matchers
+    have not seen), to mask each pass's logits rows."""
+
+    constraints: dict[int, Constraint]  # sequence -> its grammar
+    seen: dict[int, list[int]]  # sequence -> the tokens after those its matcher has seen
+    vocab: int
+
+    @staticmethod
+    def of(
+        rows: DraftRows, tokens: torch.Tensor, taken: list[list[int]], vocab: int
+    ) -> _DraftGrammar | None:
+        constraints = {
+            i: p.constraint for i, p in enumerate(rows.params) if p.constraint is not None
+        }
+        if not constraints:
+            return None
+        at = list(constraints)
+        index = torch.tensor(at, dtype=torch.long, device=tokens.device)
+        last = tokens[index, 0].tolist()  # the token the step sampled
+        seen = {i: [*taken[i], t] for i, t in zip(at, last)}
+        return _DraftGrammar(constraints, seen, vocab)
+
+    def mask(self, logits: torch.Tensor, act: list[int]) -> None:
+        """Mask the rows of `act` (the pass's sequences, in its rows' order) in place."""
+        bitmask, masked = None, []
+        for r, i in enumerate(act):
+            constraint = self.constraints.get(i)
+            if constraint is None:
+                continue
+            bitmask = bitmask if bitmask is not None else allocate_bitmask(len(act), self.vocab)
+            if constraint.fill_after(bitmask, r, self.seen[i]):
+                masked.append(r)
+        if bitmask is not None and masked:
+            apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), masked)
+
+    def took(self, act: list[int], chosen: torch.Tensor) -> None:
+        rows = [r for r, i in enumerate(act) if i in self.constraints]
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long, device=chosen.device)
+            for r, t in zip(rows, chosen[index].tolist()):
+                self.seen[act[r]].append(t)
 
 
 def _draw(

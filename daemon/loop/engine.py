@@ -540,12 +540,14 @@ class Engine:
         self._wakeup.set()
 
     def _timed(self, step: SchedulerStep, seconds: float) -> None:
-        """A step's measured time, for the speculator's cost (chunk-free steps only: the
-        policy moves drafts, not chunks)."""
+        """A step's measured time, for the speculator's cost: its draft rows apart from its
+        other tokens (the policy moves drafts; the chunks are what admission left it)."""
         spec = self.scheduler.speculator
-        if spec is None or any(not s.is_decode and not s.draft for s in step.seqs):
+        if spec is None:
             return
-        spec.observe_step(sum(s.num_tokens for s in step.seqs), len(step.seqs), seconds)
+        num_tokens = sum(s.num_tokens for s in step.seqs)
+        num_drafts = sum(len(s.draft) for s in step.seqs)
+        spec.observe_step(num_tokens, len(step.seqs), num_drafts, seconds)
 
     def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
         """Drafts the runner made after this step's token (on the device), for the drafter."""

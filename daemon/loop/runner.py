@@ -591,6 +591,11 @@ class ModelRunner:
         target's rows of the step's logits)."""
         assert self.drafting is not None
         accepted = [len(t) - 1 for t in verified.tokens] if verified is not None else []
+        # a grammar's matcher sees the step's tokens only after the passes: what they follow
+        taken = [
+            verified.tokens[v][:-1] if v is not None and verified is not None else []
+            for v in rows.verify
+        ]
         return draft_passes(
             self.drafting,
             rows,
@@ -599,6 +604,7 @@ class ModelRunner:
             hidden,
             self.generator,
             self.vocab_size,
+            taken,
         )
 
     def _draft_penalties(self, logits: torch.Tensor, vr: VerifyRows) -> None:

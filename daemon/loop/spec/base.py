@@ -47,9 +47,10 @@ class Drafter(Protocol):
 class StepCost(Protocol):
     """The device's step time, profiled at engine start."""
 
-    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
         """A forward + sampling step of `num_tokens` tokens over `num_seqs` sequences, with the
-        rollback of rejected drafts."""
+        rollback of rejected drafts; `num_drafts` of the tokens are draft (verify) rows, the
+        rest beyond one per sequence prefill chunks' tokens."""
         ...
 
 
@@ -75,9 +76,10 @@ class SpecPolicy(Protocol):
         """A verified draft's outcome (`confidence` as proposed): calibration data."""
         ...
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """A step without prefill chunks ran `num_tokens` rows (drafts included) over
-        `num_seqs` sequences in `seconds` (host preparation and device): cost data."""
+    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A step ran `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
+        rows (the rest decodes and prefill chunks), in `seconds` (host preparation and
+        device): cost data."""
         ...
 
     def calibration(self) -> list[dict[str, float | int | None]]:

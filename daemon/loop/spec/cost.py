@@ -65,8 +65,10 @@ class CostTable:
             raise ValueError("rollback_seconds must be >= 0")
         self._floor = min(min(r.seconds) for r in self.rows)
 
-    def seconds(self, num_tokens: int, num_seqs: int) -> float:
-        """The step's time without rollbacks (`rollback_seconds` is per verifying sequence)."""
+    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
+        """The step's time without rollbacks (`rollback_seconds` is per verifying sequence).
+        The profile prices every token beyond one per sequence alike: `num_drafts` (which of
+        them are draft rows) is for a cost that tells them apart, `MeasuredCost`."""
         key = (num_tokens, num_seqs)
         value = self._memo.get(key)
         if value is None:

@@ -1,7 +1,7 @@
-"""The step-cost table corrected online by the steps the engine runs: per batch-size bucket, a
-decaying ridge fit of (measured - table) seconds against the step's tokens beyond one per
-sequence, so a table profiled on a busy machine, or one whose slope misses, stops misleading
-the policy."""
+"""The step-cost table corrected online by the steps the engine runs: per batch-size bucket, and
+apart for steps with and without prefill chunks, a decaying ridge fit of (measured - table)
+seconds against the step's draft tokens and its chunk tokens, so a table profiled on a busy
+machine, or one whose slope misses, stops misleading the policy."""
 
 from __future__ import annotations
 
@@ -9,89 +9,121 @@ from dataclasses import dataclass, field
 
 from daemon.loop.spec.cost import CostTable
 
-MEMORY = 0.98  # weight an observation keeps per later one in its bucket: about the last 50
-# the fit's prior, in observations' worth: an intercept of 0 (as good as 2 steps), a slope of 0
-# as good as 2 steps with 8 drafts each; so decode-only steps move the intercept alone and the
-# table's slope stands until verify steps measure their own
-RIDGE_INTERCEPT = 2.0
-RIDGE_SLOPE = 2.0 * 8.0**2
+MEMORY = 0.98  # weight an observation keeps per later one in its fit: about the last 50
+# the fit's prior, in observations' worth: an intercept of 0 (as good as 2 steps), a draft slope
+# of 0 as good as 2 steps with 8 drafts each, a chunk slope of 0 as good as 2 steps with 256
+# chunk tokens each; so decode-only steps move the intercept alone and the table's slopes stand
+# until steps measure their own
+RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 256.0**2)
 FLOOR = 0.25  # a corrected cost never falls below this share of the table's
 
 
 @dataclass
 class _Fit:
-    """Weighted sums of one bucket's residuals y against x, decayed per observation."""
+    """Weighted sums of one fit's residuals y against the features (1, drafts, chunk tokens),
+    decayed per observation."""
 
-    w: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-    _coef: tuple[float, float] | None = None
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    _coef: tuple[float, float, float] | None = None
 
-    def add(self, x: float, y: float, memory: float) -> None:
-        self.w = self.w * memory + 1.0
-        self.x = self.x * memory + x
-        self.y = self.y * memory + y
-        self.xx = self.xx * memory + x * x
-        self.xy = self.xy * memory + x * y
+    @property
+    def weight(self) -> float:
+        return self.xx[0][0]
+
+    def add(self, drafts: float, chunk: float, y: float, memory: float) -> None:
+        x = (1.0, drafts, chunk)
+        for i in range(3):
+            self.xy[i] = self.xy[i] * memory + x[i] * y
+            row = self.xx[i]
+            for j in range(3):
+                row[j] = row[j] * memory + x[i] * x[j]
         self._coef = None
 
-    def coef(self) -> tuple[float, float]:
-        """(intercept, slope) minimising the weighted squares plus the ridge terms."""
+    def coef(self) -> tuple[float, float, float]:
+        """(intercept, draft slope, chunk slope) minimising the weighted squares plus the
+        ridge terms."""
         if self._coef is None:
-            a11, a12, a22 = self.w + RIDGE_INTERCEPT, self.x, self.xx + RIDGE_SLOPE
-            det = a11 * a22 - a12 * a12
-            self._coef = (
-                (self.y * a22 - a12 * self.xy) / det,
-                (a11 * self.xy - a12 * self.y) / det,
-            )
+            a = [
+                [v + (RIDGE[i] if i == j else 0.0) for j, v in enumerate(r)]
+                for i, r in enumerate(self.xx)
+            ]
+            c = _solve(a, list(self.xy))
+            self._coef = (c[0], c[1], c[2])
         return self._coef
 
 
 @dataclass
 class MeasuredCost:
-    """A `StepCost`: `table`'s seconds plus the fitted correction of the step's bucket
-    (sequences by powers of two). Only steps without prefill chunks are observed: the policy's
-    choices move drafts, which those steps carry; a chunk's cost stays the table's."""
+    """A `StepCost`: `table`'s seconds plus the fitted correction of the step's fit, chosen by
+    its bucket (sequences by powers of two) and whether it carries prefill chunks.
+
+    Steps with chunks are fitted apart from those without: they run another way (eagerly, where
+    chunk-free decodes may replay a captured graph) and their residual carries the table's error
+    on the chunk, so a draft row costs them another amount. The chunk's tokens are a known
+    covariate of that fit, not left to its intercept: drafts take the token budget the chunks
+    leave, so a step with more drafts has smaller chunks, and a fit on the drafts alone would
+    charge them the table's error on the chunk tokens they displaced."""
 
     table: CostTable
     memory: float = MEMORY
-    _fits: dict[int, _Fit] = field(default_factory=dict)
+    _fits: dict[tuple[int, bool], _Fit] = field(default_factory=dict)
 
     @property
     def rollback_seconds(self) -> float:
         return self.table.rollback_seconds
 
-    def seconds(self, num_tokens: int, num_seqs: int) -> float:
+    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
         base = self.table.seconds(num_tokens, num_seqs)
-        fit = self._fits.get(num_seqs.bit_length())
+        chunk = num_tokens - num_seqs - num_drafts
+        fit = self._fits.get((num_seqs.bit_length(), chunk > 0))
         if fit is None:
             return base
-        a, b = fit.coef()
-        return max(base + a + b * (num_tokens - num_seqs), FLOOR * base)
+        a, b, c = fit.coef()
+        return max(base + a + b * num_drafts + c * chunk, FLOOR * base)
 
-    def observe(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """A chunk-free step of `num_tokens` rows over `num_seqs` sequences took `seconds`
+    def observe(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A step of `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
+        (verify) rows, the rest beyond one per sequence prefill chunks' tokens, took `seconds`
         (host preparation and the device's step, as the table measured)."""
-        if num_seqs < 1 or num_tokens < num_seqs or not seconds > 0:
+        chunk = num_tokens - num_seqs - num_drafts
+        if num_seqs < 1 or num_drafts < 0 or chunk < 0 or not seconds > 0:
             return
         residual = seconds - self.table.seconds(num_tokens, num_seqs)
-        fit = self._fits.setdefault(num_seqs.bit_length(), _Fit())
-        fit.add(float(num_tokens - num_seqs), residual, self.memory)
+        fit = self._fits.setdefault((num_seqs.bit_length(), chunk > 0), _Fit())
+        fit.add(float(num_drafts), float(chunk), residual, self.memory)
 
-    def corrections(self) -> list[dict[str, float]]:
-        """Each bucket's fit: its sequences' range, the intercept (s) and slope (s per token)."""
-        out = []
-        for bucket, fit in sorted(self._fits.items()):
-            a, b = fit.coef()
+    def corrections(self) -> list[dict[str, float | bool]]:
+        """Each fit: its sequences' range, whether of steps with chunks, its weight, the
+        intercept (s) and slopes (s per draft token, s per chunk token)."""
+        out: list[dict[str, float | bool]] = []
+        for (bucket, chunks), fit in sorted(self._fits.items()):
+            a, b, c = fit.coef()
             out.append(
                 {
                     "min_seqs": 1 << (bucket - 1),
                     "max_seqs": (1 << bucket) - 1,
-                    "weight": round(fit.w, 2),
+                    "chunks": chunks,
+                    "weight": round(fit.weight, 2),
                     "intercept_s": round(a, 6),
                     "slope_s_per_token": round(b, 7),
+                    "chunk_slope_s_per_token": round(c, 7),
                 }
             )
         return out
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b, `a` symmetric positive definite (the ridge makes it so): Gaussian
+    elimination, in place."""
+    n = len(b)
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n):
+                a[i][j] -= f * a[k][j]
+            b[i] -= f * b[k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x

@@ -32,7 +32,7 @@ class FixedPolicy:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
         """Step times do not change a fixed length."""
 
     def calibration(self) -> list[dict[str, float | int | None]]:
@@ -107,7 +107,7 @@ class AdaptivePolicy:
             tokens += count
             verifying += first
             skipped = skip * verifying if verifying < num_seqs else 0.0
-            seconds = seconds_of(num_tokens + tokens, num_seqs)
+            seconds = seconds_of(num_tokens + tokens, num_seqs, tokens)
             rate = (gain - skipped) / (seconds + rollback * verifying)
             if rate > best_rate:
                 best_rate, best_gain, best_items = rate, gain, b
@@ -119,10 +119,10 @@ class AdaptivePolicy:
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """A chunk-free step's measured time, to a cost that learns from it."""
+    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A step's measured time, to a cost that learns from it."""
         if isinstance(self.cost, MeasuredCost):
-            self.cost.observe(num_tokens, num_seqs, seconds)
+            self.cost.observe(num_tokens, num_seqs, num_drafts, seconds)
 
     def calibration(self) -> list[dict[str, float | int | None]]:
         return [b.as_dict() for b in self.calibrator.table()]

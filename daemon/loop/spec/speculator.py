@@ -69,9 +69,10 @@ class Speculator:
         self.policy.observe(proposal.confidence, verified, accepted)
         self.stats.on_verified(verified, accepted)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """A chunk-free step's measured time: to the policy's cost."""
-        self.policy.observe_step(num_tokens, num_seqs, seconds)
+    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        """A step's measured time (`num_drafts` of its `num_tokens` are draft rows): to the
+        policy's cost."""
+        self.policy.observe_step(num_tokens, num_seqs, num_drafts, seconds)
 
     def finished(self, req: Request) -> None:
         self.drafter.finished(req)
