@@ -72,8 +72,16 @@ def _model_args(a: argparse.Namespace, model: Path, store: Path) -> list[str]:
 class Cluster:
     """A router and its nodes (`roles`: of prefill / decode / unified), started together."""
 
-    def __init__(self, stack: ExitStack, a: argparse.Namespace, model: Path, roles: list[str],
-                 tmp: Path, direct: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stack: ExitStack,
+        a: argparse.Namespace,
+        model: Path,
+        roles: list[str],
+        tmp: Path,
+        direct: bool = False,
+        decode_args: tuple[str, ...] = (),
+    ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         router = ["--role", "router", "--port", str(port), "--lease-s", "6"]
@@ -87,7 +95,7 @@ class Cluster:
             port = free_port()
             args = [*_model_args(a, model, store), "--port", str(port), "--role", role]
             args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", "6"]
-            args += ["--handoff-timeout-s", "120"]
+            args += ["--handoff-timeout-s", "120", *(decode_args if role == "decode" else ())]
             server = Server(_launch(args), port, tmp / f"{role}{i}.log")
             self.nodes.append(Node(stack.enter_context(server), role))
         self.direct: Node | None = None
@@ -264,12 +272,18 @@ def _summary(records: dict[str, list[RequestRecord]]) -> dict[str, Any]:
 
 def mixed(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[str, Any]:
     w = make_workload(a, vocab)
-    setups = {"1P+1D": ["prefill", "decode"], "2 unified": ["unified", "unified"]}
+    local = ("--handoff-min-tokens", str(a.local_below))
+    setups: dict[str, tuple[list[str], tuple[str, ...]]] = {
+        "1P+1D": (["prefill", "decode"], ()),
+        "1P+1D local": (["prefill", "decode"], local),  # short prompts computed on the decode node
+        "2 unified": (["unified", "unified"], ()),
+    }
+    setups = {k: v for k, v in setups.items() if k in a.setups}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in setups}
     with ExitStack() as stack:
         clusters = {
-            name: Cluster(stack, a, model, roles, tmp / name.replace(" ", "-").replace("+", "-"))
-            for name, roles in setups.items()
+            name: Cluster(stack, a, model, roles, tmp / f"setup{i}", decode_args=extra)
+            for i, (name, (roles, extra)) in enumerate(setups.items())
         }
         for c in clusters.values():
             c.wait()
@@ -374,6 +388,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-out", type=int, default=8)
     p.add_argument("--burst", type=int, default=2, help="mixed: long prompts per burst")
     p.add_argument("--every-s", type=float, default=10.0, help="mixed: seconds between bursts")
+    p.add_argument(
+        "--setups",
+        nargs="+",
+        default=["1P+1D", "1P+1D local", "2 unified"],
+        help="mixed: which setups to run",
+    )
+    p.add_argument(
+        "--local-below",
+        type=int,
+        default=512,
+        help="mixed, '1P+1D local': the decode node's --handoff-min-tokens",
+    )
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="the rest goes to every model node")  # fmt: skip
     p.add_argument("--json", type=Path)

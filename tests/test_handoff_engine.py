@@ -66,7 +66,9 @@ async def engines(checkpoint: Path, family: str):
     metrics = EngineMetrics()
     built = []
     for observer in (None, metrics, None):
-        engine, _ = build_engine(EngineConfig(**settings), observer, handoff_timeout_s=20.0)
+        engine, _ = build_engine(
+            EngineConfig(**settings), observer, handoff_timeout_s=20.0, handoff_min_tokens=3
+        )
         await engine.start()
         built.append(engine)
     metrics.collect_engine(built[1])
@@ -76,8 +78,10 @@ async def engines(checkpoint: Path, family: str):
         await engine.stop()
 
 
-async def test_the_handoff_timeout_is_the_built_engines(engines: Engines) -> None:
-    assert engines.decode.handoffs.timeout_s == 20.0  # as `--handoff-timeout-s` reaches it
+async def test_the_handoff_settings_are_the_built_engines(engines: Engines) -> None:
+    # as `--handoff-timeout-s` and `--handoff-min-tokens` reach them
+    assert engines.decode.handoffs.timeout_s == 20.0
+    assert engines.decode.handoff_min_tokens == 3
 
 
 class EngineSource:
@@ -266,12 +270,14 @@ async def test_failed_fetches_are_computed_locally(engines: Engines, family: str
     expected = {"failed": 1, "timeout": 2, "connection": 1, "error": 1, "layout": len(MISFITS)}
     assert {r: n for r, n in counted.items() if n} == expected
     assert d.handoffs.stats.imported == imported
-    # a one-token prompt has nothing to move; prompt logprobs are computed here
+    # a one-token prompt has nothing to move, one under handoff_min_tokens is cheaper here;
+    # prompt logprobs are computed here
     unused = Raising(HandoffFailed("unused"))
     assert await run(d, [5], SHORT, unused) == await run(u, [5], SHORT)
+    assert await run(d, ids[:2], SHORT, unused) == await run(u, ids[:2], SHORT)
     lp = replace(SHORT, prompt_logprobs=1)
     assert await run(d, ids, lp, unused) == await run(u, ids, lp)
-    assert d.handoffs.stats.recomputed["short_prompt"] - before.get("short_prompt", 0) == 1
+    assert d.handoffs.stats.recomputed["short_prompt"] - before.get("short_prompt", 0) == 2
     assert d.handoffs.stats.recomputed["prompt_logprobs"] - before.get("prompt_logprobs", 0) == 1
     await settled(p, d)
 

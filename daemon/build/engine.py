@@ -53,11 +53,15 @@ KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old st
 
 
 def build_engine(
-    cfg: EngineConfig, metrics: EngineMetrics | None = None, handoff_timeout_s: float = 30.0
+    cfg: EngineConfig,
+    metrics: EngineMetrics | None = None,
+    handoff_timeout_s: float = 30.0,
+    handoff_min_tokens: int = 2,
 ) -> tuple[Engine, str]:
     """The engine and the name it serves the model under; `metrics`: its request observer
     (what /metrics serves), None for none; `handoff_timeout_s`: the most a KV handoff from a
-    prefill node may take before the prompt is computed here. A model, device or KV budget that cannot serve
+    prefill node may take before the prompt is computed here; `handoff_min_tokens`: shorter
+    prompts are computed here without one. A model, device or KV budget that cannot serve
     raises StartupError."""
     cfg = implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
@@ -143,6 +147,7 @@ def build_engine(
         moe=moe,
         observer=metrics,
         handoff_timeout_s=handoff_timeout_s,
+        handoff_min_tokens=handoff_min_tokens,
     )
     if metrics is not None:
         metrics.collect_engine(engine)

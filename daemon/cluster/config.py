@@ -22,6 +22,7 @@ class ClusterConfig:
     node_id: str | None = None  # default: <role>-<hostname>-<port>
     lease_s: float = 6.0  # a node whose lease lapses leaves the set; heartbeats every lease/3
     handoff_timeout_s: float = 30.0  # a KV handoff not done by then is recomputed locally
+    handoff_min_tokens: int = 2  # a decode node computes shorter prompts itself, no handoff
 
 
 def etcd_endpoint(discovery: str) -> tuple[str, int] | None:

@@ -103,13 +103,17 @@ class Engine:
         moe: MoEControl | None = None,
         observer: RequestObserver | None = None,
         handoff_timeout_s: float = 30.0,
+        handoff_min_tokens: int = 2,
     ) -> None:
         """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
         reads before admissions and flushes and closes on stop; `sweeper` expires the store's
         files every `sweep_interval_s`; `moe`: the MoE controller, for administration;
         `observer`: told of each request's tokens and end (the metrics); `handoff_timeout_s`:
         the most a KV handoff (reserving blocks, fetching, importing) may take before the
-        request computes its prompt here instead."""
+        request computes its prompt here instead; a prompt shorter than `handoff_min_tokens`
+        is computed here without one (cheaper than waiting behind a prefill node's long
+        prompts)."""
+        self.handoff_min_tokens = max(2, handoff_min_tokens)
         self.runner = runner
         self.kv = kv
         self.scheduler = scheduler
@@ -198,10 +202,11 @@ class Engine:
         req = self._new_request(prompt_ids, params, request_id, priority, traffic_class, cache_salt)
         if kv_source is None:
             self._enqueue(req)
-        elif len(prompt_ids) < 2 or params.prompt_logprobs is not None:
-            # nothing to move, or each prompt position's logits are wanted here
+        elif len(prompt_ids) < self.handoff_min_tokens or params.prompt_logprobs is not None:
+            # too little to move, or each prompt position's logits are wanted here
             self.handoffs.recompute(
-                req, "short_prompt" if len(prompt_ids) < 2 else "prompt_logprobs"
+                req,
+                "short_prompt" if len(prompt_ids) < self.handoff_min_tokens else "prompt_logprobs",
             )
         else:
             self.handoffs.start_import(req, kv_source)

@@ -61,7 +61,10 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
             metrics = EngineMetrics()
             engine, name = build_engine(
-                engine_cfg, metrics, handoff_timeout_s=settings.cluster.handoff_timeout_s
+                engine_cfg,
+                metrics,
+                handoff_timeout_s=settings.cluster.handoff_timeout_s,
+                handoff_min_tokens=settings.cluster.handoff_min_tokens,
             )
             # restored first: past pop_all no _StopStarting could reach the `except` below
             # with the sockets already out of the stack

@@ -155,6 +155,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="a KV handoff not done by then is recomputed on the decode node (default "
         f"{_default(ClusterConfig, 'handoff_timeout_s')})",
     )
+    c.add_argument(
+        "--handoff-min-tokens",
+        type=int,
+        default=S,
+        help="a decode node computes a prompt shorter than this itself, without a handoff "
+        "(conditional disaggregation: short prompts need not wait behind a prefill node's long "
+        f"ones; default {_default(ClusterConfig, 'handoff_min_tokens')}: always hand off)",
+    )
 
 
 def _url_list(text: str) -> list[str]:

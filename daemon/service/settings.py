@@ -277,6 +277,8 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError("cluster.lease_s", "must be at least 1 (seconds)")
     if c.handoff_timeout_s <= 0:
         raise ConfigError("cluster.handoff_timeout_s", "must be positive")
+    if c.handoff_min_tokens < 2:
+        raise ConfigError("cluster.handoff_min_tokens", "must be at least 2 (tokens)")
     if c.role in ("prefill", "decode") and etcd is None and not c.peers:
         raise ConfigError(
             "cluster.peers",
