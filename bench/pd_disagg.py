@@ -223,7 +223,7 @@ async def _mixed_run(
     target = _target(url)
     t0 = time.perf_counter()
     deadline = t0 + a.seconds
-    records: dict[str, list[RequestRecord]] = {"decode": [], "long": []}
+    records: dict[str, Any] = {"decode": [], "long": []}
     next_prompt = iter(range(len(w.decode)))
     limits = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
@@ -247,10 +247,12 @@ async def _mixed_run(
             await asyncio.gather(*tasks)
 
         await asyncio.gather(bursts(), *(client() for _ in range(a.clients)))
+    records["wall_s"] = time.perf_counter() - t0  # type: ignore[assignment]
     return records
 
 
-def _summary(records: dict[str, list[RequestRecord]]) -> dict[str, Any]:
+def _summary(records: dict[str, Any]) -> dict[str, Any]:
+    wall = records.pop("wall_s")
     out: dict[str, Any] = {}
     for cls, recs in records.items():
         ok = [r for r in recs if r.ok]
@@ -266,6 +268,7 @@ def _summary(records: dict[str, list[RequestRecord]]) -> dict[str, Any]:
             "tpot_p99_ms": percentile(tpot, 99) if tpot else None,
             "itl_p99_ms": percentile(itl, 99) if itl else None,
             "output_tokens": sum(r.output_tokens for r in ok),
+            "output_tok_s": sum(r.output_tokens for r in ok) / wall,
         }
     return out
 
@@ -307,8 +310,8 @@ def mixed(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[str
 
 def print_mixed(result: dict[str, Any]) -> None:
     med = result["mixed"]["median"]
-    print(f"{'setup':>10} {'class':>7} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>8} "
-          f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'out tok':>8}")  # fmt: skip
+    print(f"{'setup':>12} {'class':>7} {'reqs':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>8} "
+          f"{'TPOT p50':>9} {'p99':>7} {'ITL p99':>8} {'out tok/s':>9}")  # fmt: skip
     for name, classes in med.items():
         for cls, r in classes.items():
             cells = [
@@ -316,9 +319,8 @@ def print_mixed(result: dict[str, Any]) -> None:
                 for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms")
             ]
             text = " ".join(f"{c:>7.1f}ms" if c is not None else f"{'-':>9}" for c in cells)
-            print(
-                f"{name:>10} {cls:>7} {r['requests']:>5.0f} {r['failed']:>4.0f} {text} {r['output_tokens']:>8.0f}"
-            )
+            head = f"{name:>12} {cls:>7} {r['requests']:>5.0f} {r['failed']:>4.0f}"
+            print(f"{head} {text} {r['output_tok_s']:>9.1f}")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -1,13 +1,16 @@
-"""etcd discovery against a real etcd on loopback: a daemon keeps its NodeInfo under
-/deepinfer/nodes/<id> on a lease; a router-side EtcdPeerFeed sees it come, lapse (frozen),
-come back with a new lease and leave (SIGTERM); a lease revoked under a live announcer is taken
-again; a dead etcd holds nobody up."""
+"""etcd discovery against a real etcd on loopback: a router finds a prefill and a decode node
+there and a request through it is handed off (the decode node names its router: --routers); a
+daemon keeps its NodeInfo under /deepinfer/nodes/<id> on a lease; a router-side EtcdPeerFeed
+sees it come, lapse (frozen), come back with a new lease and leave (SIGTERM); a lease revoked
+under a live announcer is taken again; a dead etcd holds nobody up."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from daemon.cluster.node import NodeInfo
 from daemon.cluster.peers import PeerSet
 from daemon.service.live_server import free_port
 from tests.etcd import Etcd, etcd_server
-from tests.test_cluster_daemons import LEASE_S, Proc, node_args
+from tests.test_cluster_daemons import LEASE_S, Proc, node_args, until
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +34,69 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
 
 
 @pytest.fixture(scope="module")
+def router_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
 def etcd_node(
-    etcd: Etcd, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    etcd: Etcd, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, router_port: int
 ) -> Iterator[Proc]:
     log = tmp_path_factory.mktemp("etcd-cluster-logs") / "ed0.log"
     args = node_args(
         tiny_model_dir, "--role", "decode", "--discovery", etcd.url, "--node-id", "ed0"
     )
+    args += ["--routers", f"http://127.0.0.1:{router_port}"]
     proc = Proc(free_port(), args, log).start()
     try:
         yield proc.wait()
     finally:
         proc.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster(
+    etcd: Etcd,
+    etcd_node: Proc,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    router_port: int,
+) -> Iterator[tuple[Proc, Proc]]:
+    """A router and a prefill node that find each other, and the decode node, in etcd."""
+    logs = tmp_path_factory.mktemp("etcd-router-logs")
+    router_args = ["--role", "router", "--discovery", etcd.url, "--lease-s", str(LEASE_S)]
+    router = Proc(router_port, [*router_args, "--log-format", "json"], logs / "router.log")
+    prefill_args = ["--role", "prefill", "--discovery", etcd.url, "--node-id", "ep0"]
+    prefill = Proc(free_port(), node_args(tiny_model_dir, *prefill_args), logs / "ep0.log")
+    try:
+        yield router.start().wait(), prefill.start().wait()
+    finally:
+        for proc in (prefill, router):
+            if proc.proc is not None:
+                proc.stop(signal.SIGKILL)
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_a_request_through_a_router_in_etcd_is_handed_off(
+    etcd_cluster: tuple[Proc, Proc], etcd_node: Proc
+) -> None:
+    router, prefill = etcd_cluster
+    roles = {"prefill": 1, "decode": 1, "unified": 0}
+    until(lambda: _get(router.url + "/health")["nodes"] == roles, timeout=20)
+    body = {"model": "tiny", "prompt": list(range(1000, 1040)), "max_tokens": 4}
+    request = urllib.request.Request(
+        router.url + "/v1/completions",
+        data=json.dumps(body | {"temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    assert _get(etcd_node.url + "/health")["kv_handoff_imported"] == 1
+    assert _get(prefill.url + "/health")["kv_handoff_exported"] == 1
 
 
 async def _until(check: Callable[[], bool], timeout: float) -> float:

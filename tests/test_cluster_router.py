@@ -2,7 +2,8 @@
 model with a chat template) against a unified daemon: the same greedy answers through the
 router, the KV handed over; then the failures: a node that refuses connections (retried), a
 client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed during the
-handoff and before it (computed on the decode node), the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+handoff and before it (computed on the decode node), the router stopped mid-stream (the stream
+ends) and restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
 
 from __future__ import annotations
 
@@ -355,6 +356,27 @@ def test_a_frozen_prefill_node_leaves_the_prompt_to_the_decode_node(cluster: Clu
     assert cluster.decode.health()["kv_handoff_recomputed"] == before + 1
     _idle(cluster.decode)
     _idle(cluster.prefill)  # its handoff, cut off by the decode node, freed everything
+
+
+def test_a_router_told_to_stop_finishes_the_streams_it_has(cluster: Cluster) -> None:
+    """SIGTERM mid-stream: the stream runs to its end, the router exits 0; started again, the
+    nodes register with it again."""
+    kwargs = dict(
+        model=NAME, prompt=PROMPT, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(_oai(cluster.router).completions.create(stream=True, **kwargs))
+    text = []
+    while not text:
+        text = [c.text for c in next(chunks).choices if c.text]
+    cluster.router.proc.send_signal(signal.SIGTERM)
+    text += [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(text) == _complete(cluster.unified, False, PROMPT, 200)
+    assert cluster.router.proc.wait(timeout=30) == 0
+    cluster.restart_router()
+    _until(
+        lambda: cluster.router.health()["nodes"] == {"prefill": 1, "decode": 1, "unified": 0},
+        what="both nodes registered again",
+    )
 
 
 def test_a_restarted_router_learns_the_nodes_again(cluster: Cluster) -> None:

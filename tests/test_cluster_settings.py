@@ -43,8 +43,10 @@ def test_defaults_and_flags() -> None:
         "5",
         "--handoff-min-tokens",
         "512",
+        "--routers",
+        "http://10.0.0.9:8000",
     ).cluster
-    assert c.handoff_min_tokens == 512
+    assert c.handoff_min_tokens == 512 and c.routers == ["http://10.0.0.9:8000"]
     assert c.role == "prefill" and c.peers == ["http://127.0.0.1:8000", "http://10.0.0.2:8000/"]
     assert (c.advertise_url, c.node_id, c.lease_s, c.handoff_timeout_s) == (
         "http://10.0.0.3:8101",
@@ -83,6 +85,7 @@ def test_file_and_environment(tmp_path: Path) -> None:
         (["--lease-s", "0.5"], "cluster.lease_s"),
         (["--handoff-timeout-s", "0"], "cluster.handoff_timeout_s"),
         (["--handoff-min-tokens", "1"], "cluster.handoff_min_tokens"),
+        (["--routers", "127.0.0.1:8000"], "cluster.routers"),
         (["--advertise-url", "ftp://x"], "cluster.advertise_url"),
         (
             ["--role", "prefill", "--peers", "http://127.0.0.1:8000", "--host", "0.0.0.0"],

@@ -17,6 +17,9 @@ class ClusterConfig:
     # disaggregated node that registers; router: no model, serves the APIs by proxy
     role: str = "unified"
     peers: list[str] = field(default_factory=list)  # registries (router, seed peers): base URLs
+    # the routers a decode node takes routed requests (and asks prefill routes) from; default:
+    # its peers (with etcd discovery, where it has none, name them here)
+    routers: list[str] = field(default_factory=list)
     discovery: str = "http"  # http (register with the peers) | etcd://HOST:PORT
     advertise_url: str | None = None  # how peers reach this node (default http://host:port)
     node_id: str | None = None  # default: <role>-<hostname>-<port>

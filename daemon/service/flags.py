@@ -130,6 +130,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="registries this node registers with and heartbeats (the router, seed peers)",
     )
     c.add_argument(
+        "--routers",
+        default=S,
+        type=_url_list,
+        metavar="URL[,URL]",
+        help="decode: the routers it takes routed requests from (a router's URL in a request "
+        "is trusted only if listed; default: --peers; with etcd discovery, name them here)",
+    )
+    c.add_argument(
         "--discovery",
         default=S,
         help="http (default: register with --peers) | etcd://HOST:PORT (keys under "

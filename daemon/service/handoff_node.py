@@ -29,7 +29,7 @@ async def handoff_config(
         cluster.role,
         fingerprint,
         PROCESS_EPOCH,
-        routers=tuple(url.rstrip("/") for url in cluster.peers),
+        routers=tuple(url.rstrip("/") for url in cluster.routers or cluster.peers),
         timeout_s=cluster.handoff_timeout_s,
         api_key=api_key,
     )

@@ -259,11 +259,12 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         etcd = etcd_endpoint(c.discovery)
     except ValueError as err:
         raise ConfigError("cluster.discovery", str(err)) from None
-    for url in c.peers:
-        try:
-            base_url(url)
-        except ValueError as err:
-            raise ConfigError("cluster.peers", str(err)) from None
+    for key, urls in (("cluster.peers", c.peers), ("cluster.routers", c.routers)):
+        for url in urls:
+            try:
+                base_url(url)
+            except ValueError as err:
+                raise ConfigError(key, str(err)) from None
     if c.advertise_url is not None:
         try:
             base_url(c.advertise_url)
