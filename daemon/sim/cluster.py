@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -64,9 +65,14 @@ class SimRun:
     samples: list[Sample]
     end_s: float
     wall_s: float
+    events: int  # taken from the heap (fewer than steps where decode runs were taken at once)
 
 
 ARRIVE, LOADED, STEP_DONE = 0, 1, 2
+# an event's place in the heap: (time, 0, trace index) for arrivals, which go first at a
+# time, then (time, 1, issued at, 0, issue count) for store reads and (time, 1, launched at,
+# 1, node) for steps: an order that does not depend on how many steps ran in between
+Key = tuple[float, ...]
 
 
 def simulate(
@@ -75,46 +81,71 @@ def simulate(
     cfg: ClusterConfig,
     progress: bool = True,
     sample_every_s: float = 1.0,
+    step_by_step: bool = False,
 ) -> SimRun:
-    """Run `trace` through `cfg.nodes` nodes to the last request's end."""
+    """Run `trace` through `cfg.nodes` nodes to the last request's end. A node whose next
+    steps are plain decodes of the same requests (SimNode.steady_steps) takes them at once,
+    up to the next arrival, store read of its own or sample; `step_by_step`: one event per step
+    (the same result, slower)."""
     started = time.perf_counter()
     bb = table.kv.bytes_per_block
     store = SimStore(cfg.store_bytes, bb) if cfg.store_bytes else None
     nodes = [SimNode(i, table, cfg.node, store) for i in range(cfg.nodes)]
     records: list[RequestRecord] = []
     samples: list[Sample] = []
-    heap: list[tuple[float, int, int, object]] = []
-    order = itertools.count()
-    for i, t in enumerate(trace):
-        heapq.heappush(heap, (t.arrival_s * cfg.time_scale, next(order), ARRIVE, i))
+    heap: list[tuple[Key, int, object]] = []
+    arrivals = [t.arrival_s * cfg.time_scale for t in trace]
+    for i, t in enumerate(arrivals):
+        heapq.heappush(heap, ((t, 0, i), ARRIVE, i))
+    arrived = 0
+    reads = itertools.count()
+    pending_reads: list[list[float]] = [[] for _ in nodes]  # each node's reads' end times
     reqs: dict[str, tuple[Request, RequestRecord]] = {}
     loading = 0
     now = 0.0
     next_sample = 0.0
     bar = tqdm(total=len(trace), desc="simulating", unit="req", disable=not progress)
 
-    def kick(node: SimNode) -> None:
+    def read(node: SimNode, req: Request, keys: list[bytes]) -> None:
         nonlocal loading
+        found, seconds = node.store_read(req, keys)
+        loading += 1
+        end = now + seconds
+        pending_reads[node.index].append(end)
+        heapq.heappush(heap, ((end, 1, now, 0, next(reads)), LOADED, (node, req, keys, found)))
+
+    def kick(node: SimNode) -> None:
         if node.running is not None:
             return
-        running, reads = node.start_step(now)
-        for read in reads:  # in-memory prefix evicted while it waited: read the store again
-            found, seconds = node.store_read(read.request, read.keys)
-            loading += 1
-            heapq.heappush(
-                heap, (now + seconds, next(order), LOADED, (node, read.request, read.keys, found))
+        start = now
+        steps = 0 if step_by_step else node.steady_steps()
+        if steps:
+            # what could see or change the node meanwhile: an arrival (the router reads every
+            # node), its own store reads, the next sample of the queues
+            until = min(
+                arrivals[arrived] if arrived < len(arrivals) else math.inf,
+                min(pending_reads[node.index], default=math.inf),
+                next_sample,
             )
+            start = node.run_steady(now, until, steps)
+        running, wanted = node.start_step(start)
+        for r in wanted:  # in-memory prefix evicted while it waited: read the store again
+            read(node, r.request, r.keys)
         if running is not None:
-            heapq.heappush(heap, (running.end_s, next(order), STEP_DONE, node))
+            heapq.heappush(heap, ((running.end_s, 1, start, 1, node.index), STEP_DONE, node))
 
+    events = 0
     try:
         while heap:
-            now, _, kind, what = heapq.heappop(heap)
+            key, kind, what = heapq.heappop(heap)
+            events += 1
+            now = key[0]
             while now >= next_sample:
                 samples.append(_sample(next_sample, nodes, loading))
                 next_sample += sample_every_s
             if kind == ARRIVE:
                 assert isinstance(what, int)
+                arrived += 1
                 t = trace[what]
                 req = Request(
                     f"sim-{what}",
@@ -136,17 +167,14 @@ def simulate(
                 node.unfinished += 1
                 store_keys = node.prefix.store_keys(req)
                 if store_keys:
-                    found, seconds = node.store_read(req, store_keys)
-                    loading += 1
-                    heapq.heappush(
-                        heap, (now + seconds, next(order), LOADED, (node, req, store_keys, found))
-                    )
+                    read(node, req, store_keys)
                     continue
                 node.scheduler.add(req)
                 kick(node)
             elif kind == LOADED:
                 node, req, keys, found = what  # type: ignore[misc]
                 loading -= 1
+                pending_reads[node.index].remove(now)
                 node.loaded(req, keys, found)
                 kick(node)
             else:
@@ -164,7 +192,7 @@ def simulate(
     finally:
         bar.close()
     samples.append(_sample(now, nodes, loading))
-    return SimRun(cfg, nodes, store, records, samples, now, time.perf_counter() - started)
+    return SimRun(cfg, nodes, store, records, samples, now, time.perf_counter() - started, events)
 
 
 def _sample(t: float, nodes: list[SimNode], loading: int) -> Sample:

@@ -13,7 +13,7 @@ from daemon.kv.manager import KVManager
 from daemon.kv.prefix import PrefixCache
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.kv.tier_ops import CacheOps, TierQueue
-from daemon.loop.request import FinishReason, Request
+from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
 from daemon.sim.store import SimStore
@@ -148,6 +148,72 @@ class SimNode:
             out.append((req, done))
         self.counters.preemptions = self.scheduler.num_preemptions
         return out
+
+    # ---- decode runs between events ----------------------------------------------------------
+
+    def steady_steps(self) -> int:
+        """How many steps from now are each exactly what Scheduler.schedule would make here:
+        every running request one decode token, nothing admitted, no KV block to allocate
+        or register, no cache op and no request finishing; 0 when the node is not so."""
+        sched = self.scheduler
+        if self.running is not None or sched.waiting or not sched.running:
+            return 0
+        if sched.speculator is not None or self.prefix.swa is not None or self.queue.ops:
+            return 0
+        if len(sched.running) > sched.max_num_batched_tokens:
+            return 0
+        block = self.kv.prefix_block
+        steps = 1 << 62
+        for req in sched.running:
+            st = req.prefix
+            c = req.num_computed
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.num_inflight_steps
+                or req.verifying
+                or req.params.constraint is not None
+                or c != req.seq_len - 1
+                or len(req.output_ids) != req.num_sampled_scheduled
+                or st.replay_until > c
+                or st.pending_restore is not None
+                or st.swa_marks
+            ):
+                return 0
+            held = len(self.kv.tables[req.request_id][0]) * block
+            steps = min(
+                steps,
+                (st.num_registered + 1) * block - c,  # the next full block is registered then
+                held - c,  # then grows by a block
+                req.params.max_tokens - len(req.output_ids) - 1,  # then finishes
+            )
+        return max(steps, 0)
+
+    def run_steady(self, now: float, until: float, steps: int) -> float:
+        """Take up to `steps` of the steps `steady_steps` counted, each ending before
+        `until`, with the scheduler's and `finish_step`'s effect on the requests; the time
+        the last one ended (`now` if none did)."""
+        reqs = self.scheduler.running
+        n = len(reqs)
+        context = sum(r.num_computed for r in reqs)
+        c = self.counters
+        done = 0
+        while done < steps:
+            seconds = max(self.cost.decodes(n, context), MIN_STEP_S)
+            end = now + seconds
+            if end >= until:
+                break
+            now = end
+            context += n
+            done += 1
+            c.steps += 1
+            c.busy_s += seconds
+            c.decode_tokens += n
+        if done:
+            for req in reqs:
+                req.num_computed += done
+                req.num_sampled_scheduled += done
+                req.output_ids.extend([OUTPUT_TOKEN] * done)
+        return now
 
     def load(self) -> int:
         return self.unfinished
