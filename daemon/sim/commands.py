@@ -14,7 +14,7 @@ import structlog
 
 from daemon.build.config import EngineConfig
 from daemon.sim.router import POLICIES
-from daemon.sim.table import CostTable, TableError
+from daemon.sim.table import Bandwidth, CostTable, TableError
 from daemon.sim.trace import TraceError, read_trace
 
 TABLES = Path(__file__).parent / "tables"
@@ -75,7 +75,15 @@ def _kv_bytes_per_token(cfg: EngineConfig) -> float:
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake FAST'25 trace (JSON lines)")
     p.add_argument("--table", default=str(CPU_TABLE), help="cost table (deepinfer profile)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--nodes", type=int, default=None, help="unified nodes (default 1, 0 with pairs)"
+    )
+    p.add_argument("--prefill", type=int, default=0, help="prefill nodes (with --decode)")
+    p.add_argument("--decode", type=int, default=0, help="decode nodes (with --prefill)")
+    p.add_argument(
+        "--link-gb-s", type=float, default=25.0, help="KV handoff link, GB/s (prefill to decode)"
+    )
+    p.add_argument("--link-latency-ms", type=float, default=0.1, help="per handoff")
     p.add_argument("--policy", choices=POLICIES, default=POLICIES[0])
     p.add_argument("--device-kv-gb", type=float, default=1.0, help="KV memory per node")
     p.add_argument("--host-cache-gb", type=float, default=4.0, help="host tier per node (0: none)")
@@ -119,7 +127,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         args.max_num_seqs,
         args.max_num_batched_tokens,
     )
-    cfg = ClusterConfig(args.nodes, node, args.store_gb * GB, args.policy, args.time_scale)
+    cfg = ClusterConfig(
+        args.nodes,
+        node,
+        args.store_gb * GB,
+        args.policy,
+        args.time_scale,
+        args.prefill,
+        args.decode,
+        Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
+    )
     run = simulate(table, trace, cfg, progress=not args.no_progress)
     summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
     out = Path(args.out)
@@ -143,8 +160,16 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if args.nodes < 1:
-        return "--nodes must be at least 1"
+    if args.nodes is None:
+        args.nodes = 0 if args.prefill or args.decode else 1
+    if min(args.nodes, args.prefill, args.decode) < 0:
+        return "--nodes, --prefill and --decode must be >= 0"
+    if (args.prefill > 0) != (args.decode > 0):
+        return "--prefill and --decode go together: a pair needs both"
+    if args.nodes + args.prefill + args.decode < 1:
+        return "--nodes must be at least 1 (or give --prefill and --decode)"
+    if not args.link_gb_s > 0 or math.isinf(args.link_gb_s) or not args.link_latency_ms >= 0:
+        return "--link-gb-s must be a positive number and --link-latency-ms >= 0"
     if not args.device_kv_gb > 0 or math.isinf(args.device_kv_gb):
         return "--device-kv-gb must be a positive number"
     for name in ("host_cache_gb", "store_gb"):

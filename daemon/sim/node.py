@@ -1,6 +1,7 @@
-"""One simulated unified node: the real KV manager, prefix cache (device / host / store tiers)
-and Scheduler, stepped by the simulator with each step's time from the cost table and its
-tier copies (and block-store reads) from the table's bandwidths."""
+"""One simulated node: the real KV manager, prefix cache (device / host / store tiers) and
+Scheduler, stepped by the simulator with each step's time from the cost table and its tier
+copies (and block-store reads) from the table's bandwidths. Its role (unified, prefill,
+decode) is a field the cluster reads per request, so it may change during a run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.cluster.node import NodeInfo, Role
 from daemon.kv.host_tier import HostTier
 from daemon.kv.manager import KVManager
 from daemon.kv.prefix import PrefixCache
@@ -16,6 +18,7 @@ from daemon.kv.tier_ops import CacheOps, TierQueue
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
+from daemon.sim.router import FINGERPRINT, MODEL
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
 
@@ -54,13 +57,20 @@ class NodeCounters:
 
 class SimNode:
     def __init__(
-        self, index: int, table: CostTable, cfg: NodeConfig, store: SimStore | None
+        self,
+        index: int,
+        table: CostTable,
+        cfg: NodeConfig,
+        store: SimStore | None,
+        role: Role = "unified",
     ) -> None:
         g = table.kv
         dtype = getattr(torch, g.dtype)
         spec = FullAttentionSpec(g.block_size, g.num_layers, dtype, g.num_kv_heads, g.head_dim)
         groups = [KVGroup(spec, tuple(range(g.num_layers)))]
         self.index, self.table, self.cost = index, table, StepCost(table)
+        self.role: Role = role
+        self.node_id = f"sim-{index:04d}"  # the router orders peers by id: as by index
         self.block_bytes = g.bytes_per_block
         self.host = HostTier(cfg.host_bytes) if cfg.host_bytes else None
         self.queue = TierQueue(self.host, self.block_bytes)
@@ -217,6 +227,23 @@ class SimNode:
 
     def load(self) -> int:
         return self.unfinished
+
+    def info(self) -> NodeInfo:
+        """This node as a peer of the router: role, capacity and load (a heartbeat's)."""
+        return NodeInfo(
+            self.node_id,
+            self.role,
+            FINGERPRINT,
+            f"http://{self.node_id}.sim",
+            0,
+            MODEL,
+            {"kv_blocks": self.kv.num_blocks[0], "max_num_seqs": self.scheduler.max_num_seqs},
+            {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_blocks_free": self.kv.pools[0].num_free,
+            },
+        )
 
     def cached_prefix(self, keys: list[bytes]) -> int:
         """Leading blocks of `keys` in this node's memory (device or host)."""

@@ -20,7 +20,7 @@ def plot(run: SimRun, summary: dict, path: str | Path) -> None:
     queues.plot(t, [s.running for s in run.samples], label="running")
     queues.plot(t, [s.waiting for s in run.samples], label="waiting")
     queues.plot(t, [s.loading for s in run.samples], label="reading the store")
-    queues.set(title=f"requests over time ({run.cfg.nodes} nodes)", xlabel="simulated s")
+    queues.set(title=f"requests over time ({run.cfg.total_nodes} nodes)", xlabel="simulated s")
     queues.legend()
     for ax, values, name in (
         (ttft, [r.first_token_s - r.arrival_s for r in done], "TTFT"),
