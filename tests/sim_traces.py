@@ -24,6 +24,23 @@ def table() -> CostTable:
     )
 
 
+def ceiling(lines: list[dict]) -> float:
+    """Share of input tokens in blocks seen before: per request, its leading hash ids that an
+    earlier request had, each the tokens of that block in this request; a request computes at
+    least its last token, so its hit is cut to the whole KV blocks before it."""
+    seen: set[int] = set()
+    hit = total = 0
+    for line in sorted(lines, key=lambda d: d["timestamp"]):
+        n, ids = line["input_length"], line["hash_ids"]
+        m = 0
+        while m < len(ids) and ids[m] in seen:
+            m += 1
+        hit += min(min(512 * m, n), (n - 1) // BLOCK * BLOCK)
+        total += n
+        seen.update(ids)
+    return hit / total
+
+
 def conversations(
     seed: int = 0, sessions: int = 12, turns: int = 4, outputs: int = 3
 ) -> list[dict]:
@@ -52,3 +69,13 @@ def write_trace(lines: list[dict], tmp_path: Path, name: str = "trace.jsonl") ->
     path = tmp_path / name
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def interleaved(sessions: int, turns: int = 4) -> list[dict]:
+    """`conversations` taken turn by turn across the sessions (each session's next turn comes
+    after every other session's): a small device memory has evicted a turn's prefix by then."""
+    lines = conversations(sessions=sessions, turns=turns)
+    out = [lines[s * turns + t] for t in range(turns) for s in range(sessions)]
+    for i, line in enumerate(out):
+        line["timestamp"] = 1000 * i
+    return out

@@ -16,27 +16,10 @@ from daemon.sim.cluster import ClusterConfig, simulate
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
 from daemon.sim.trace import read_trace
-from tests.sim_traces import BLOCK, conversations, table, write_trace
+from tests.sim_traces import ceiling, conversations, table, write_trace
 
 REAL_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 MB = 2**20
-
-
-def ceiling(lines: list[dict]) -> float:
-    """Share of input tokens in blocks seen before: per request, its leading hash ids that an
-    earlier request had, each the tokens of that block in this request; a request computes at
-    least its last token, so its hit is cut to the whole KV blocks before it."""
-    seen: set[int] = set()
-    hit = total = 0
-    for line in sorted(lines, key=lambda d: d["timestamp"]):
-        n, ids = line["input_length"], line["hash_ids"]
-        m = 0
-        while m < len(ids) and ids[m] in seen:
-            m += 1
-        hit += min(min(512 * m, n), (n - 1) // BLOCK * BLOCK)
-        total += n
-        seen.update(ids)
-    return hit / total
 
 
 def run(lines: list[dict], tmp_path: Path, node: NodeConfig, store_bytes: float = 0.0):

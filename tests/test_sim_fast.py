@@ -43,7 +43,8 @@ def test_decode_runs_change_nothing(cfg: ClusterConfig, tmp_path: Path) -> None:
     assert fast["finished"] > 0 and fast["prefix"]["hit_rate"] > 0
     if cfg.node.host_bytes:  # room for all: many steps were taken at once
         assert events < 0.8 * slow_events
-    else: sum(n["preemptions"] for n in fast["per_node"]) > 0 and fast["rejected"] > 0
+    else:
+        sum(n["preemptions"] for n in fast["per_node"]) > 0 and fast["rejected"] > 0
 
 
 def test_block_tokens_are_cached_and_exact() -> None:

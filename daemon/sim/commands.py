@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import structlog
@@ -15,7 +16,10 @@ import structlog
 from daemon.build.config import EngineConfig
 from daemon.sim.router import POLICIES
 from daemon.sim.table import Bandwidth, CostTable, TableError
-from daemon.sim.trace import TraceError, read_trace
+from daemon.sim.trace import TraceError, TraceRequest, read_trace
+
+if TYPE_CHECKING:
+    from daemon.sim.cluster import ClusterConfig
 
 TABLES = Path(__file__).parent / "tables"
 CPU_TABLE = TABLES / "cpu-smollm2.json"
@@ -102,11 +106,19 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--sweep-host-gb",
+        type=_sizes,
+        default=None,
+        help="hit rate vs capacity: host memory per node to try, e.g. 0,16,64,inf",
+    )
+    p.add_argument(
+        "--sweep-store-gb", type=_sizes, default=None, help="block-store capacities to try"
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from daemon.sim.cluster import ClusterConfig, simulate
-    from daemon.sim.node import NodeConfig
+    from daemon.sim.cluster import simulate
     from daemon.sim.result import summarize
 
     # the scheduler's per-step debug lines (preemptions) would flood the terminal
@@ -121,13 +133,35 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (OSError, TableError, TraceError) as e:
         print(f"deepinfer simulate: {e}", file=sys.stderr)
         return 2
+    cfg = _cluster(args)
+    if args.sweep_host_gb or args.sweep_store_gb:
+        return _sweep(args, table, trace, cfg)
+    run = simulate(table, trace, cfg, progress=not args.no_progress)
+    summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    png = _plot(out, "plot", run, summary)
+    t, p = summary["ttft_s"], summary["prefix"]
+    print(
+        f"{summary['finished']}/{summary['requests']} requests in {run.end_s:.1f} simulated s "
+        f"({run.wall_s:.1f} s wall): {summary['throughput']['output_tok_s']:.1f} output tok/s, "
+        f"TTFT p50 {t['p50']} s p99 {t['p99']} s, hit rate {100 * p['hit_rate']:.1f} %; "
+        f"wrote {out}" + (f" and {png}" if png else "")
+    )
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> ClusterConfig:
+    from daemon.sim.cluster import ClusterConfig
+    from daemon.sim.node import NodeConfig
+
     node = NodeConfig(
         args.device_kv_gb * GB,
         args.host_cache_gb * GB,
         args.max_num_seqs,
         args.max_num_batched_tokens,
     )
-    cfg = ClusterConfig(
+    return ClusterConfig(
         args.nodes,
         node,
         args.store_gb * GB,
@@ -137,26 +171,52 @@ def run_simulate(args: argparse.Namespace) -> int:
         args.decode,
         Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
     )
-    run = simulate(table, trace, cfg, progress=not args.no_progress)
-    summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
-    out = Path(args.out)
-    out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    png: Path | None = out.with_suffix(".png")
+
+
+def _plot(out: Path, name: str, *what: object) -> Path | None:
+    """The PNG beside `out` by plot.`name`; None (and a line saying so) without matplotlib."""
     try:
-        from daemon.sim.plot import plot
+        from daemon.sim import plot
     except ModuleNotFoundError:  # matplotlib: the `sim` extra
-        png = None
         print("deepinfer simulate: matplotlib is not installed (the `sim` extra): no plot")
-    else:
-        plot(run, summary, png)
-    t, p = summary["ttft_s"], summary["prefix"]
-    print(
-        f"{summary['finished']}/{summary['requests']} requests in {run.end_s:.1f} simulated s "
-        f"({run.wall_s:.1f} s wall): {summary['throughput']['output_tok_s']:.1f} output tok/s, "
-        f"TTFT p50 {t['p50']} s p99 {t['p99']} s, hit rate {100 * p['hit_rate']:.1f} %; "
-        f"wrote {out}" + (f" and {png}" if png else "")
+        return None
+    png = out.with_suffix(".png")
+    getattr(plot, name)(*what, png)
+    return png
+
+
+def _sweep(
+    args: argparse.Namespace, table: CostTable, trace: list[TraceRequest], cfg: ClusterConfig
+) -> int:
+    from daemon.sim.sweep import sweep
+
+    hosts = args.sweep_host_gb or [args.host_cache_gb]
+    stores = args.sweep_store_gb or [args.store_gb]
+    result = sweep(
+        table, trace, cfg, [h * GB for h in hosts], [s * GB for s in stores], not args.no_progress
     )
+    result |= {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    png = _plot(out, "plot_sweep", result)
+    for p in result["points"]:
+        print(
+            f"host {p['host_gb_per_node']} GB/node, store {p['store_gb']} GB: hit rate "
+            f"{100 * p['hit_rate']:.1f} %, TTFT p99 {p['ttft_s']['p99']} s"
+        )
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
     return 0
+
+
+def _sizes(text: str) -> list[float]:
+    """A comma-separated list of capacities in GB (inf: unlimited)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of numbers like 0,16,inf") from None
+    if not values or any(not v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: capacities must be numbers >= 0")
+    return values
 
 
 def _check(args: argparse.Namespace) -> str | None:
