@@ -49,6 +49,12 @@ class ClusterConfig:
         return out + ["prefill"] * self.prefill + ["decode"] * self.decode
 
 
+@dataclass(frozen=True)
+class SLO:
+    ttft_p99_s: float
+    tpot_p99_s: float
+
+
 @dataclass
 class RequestRecord:
     index: int
@@ -143,7 +149,10 @@ class Simulation:
         cfg: ClusterConfig,
         sample_every_s: float = 1.0,
         step_by_step: bool = False,
+        slo: SLO | None = None,
     ) -> None:
+        """`slo`: stop as soon as the TTFT or TPOT p99 of the whole trace is sure to miss it
+        (more requests late than the 1 % that p99 allows): `missed` then says which."""
         self.started = time.perf_counter()
         self.table, self.trace, self.cfg = table, trace, cfg
         self.sample_every_s, self.step_by_step = sample_every_s, step_by_step
@@ -172,11 +181,19 @@ class Simulation:
         self.now = 0.0
         self.next_sample = 0.0
         self.events = 0
+        self.slo = slo
+        self.missed: str | None = None
+        self.late = {"ttft": 0, "tpot": 0}
+        # nearest-rank p99 of n values exceeds the SLO once more than n - ceil(0.99 n) do
+        self.allowed = {
+            "ttft": len(trace) - math.ceil(0.99 * len(trace)),
+            "tpot": (n := sum(t.output_length > 1 for t in trace)) - math.ceil(0.99 * n),
+        }
 
     def run(self, finished: Callable[[], object] = lambda: None) -> None:
         """`finished`: told of each request done (or refused)."""
         self.finished = finished
-        while self.heap:
+        while self.heap and self.missed is None:
             key, kind, what = heapq.heappop(self.heap)
             self.events += 1
             self.now = key[0]
@@ -284,8 +301,14 @@ class Simulation:
             rec = job.rec
             if rec.first_token_s is None:
                 rec.first_token_s = self.now
+                if self.slo is not None and self.now - rec.arrival_s > self.slo.ttft_p99_s:
+                    self._late("ttft")
             if done:
                 rec.finish_s = self.now
+                if self.slo is not None and rec.output_length > 1:
+                    tpot = (self.now - rec.first_token_s) / (rec.output_length - 1)
+                    if tpot > self.slo.tpot_p99_s:
+                        self._late("tpot")
                 if job.prefill is None:
                     rec.cached_by_tier = dict(req.cache.tokens_by_tier)
                 else:
@@ -295,6 +318,11 @@ class Simulation:
         if self.reserving[node.index]:
             self._reserve(node)
         self._kick(node)
+
+    def _late(self, what: str) -> None:
+        self.late[what] += 1
+        if self.late[what] > self.allowed[what]:
+            self.missed = what
 
     def _prefilled(self, job: Job) -> None:
         """The prefill part computed its prompt (its one sample unused): its KV to the decode

@@ -115,6 +115,21 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep-store-gb", type=_sizes, default=None, help="block-store capacities to try"
     )
+    p.add_argument(
+        "--size",
+        action="store_true",
+        help="sizing: the cheapest cluster (unified count, or prefill:decode) meeting the SLOs",
+    )
+    p.add_argument("--ttft-p99-s", type=float, default=2.0, help="sizing: TTFT p99 SLO")
+    p.add_argument("--tpot-p99-s", type=float, default=0.05, help="sizing: TPOT p99 SLO")
+    p.add_argument("--max-nodes", type=int, default=64, help="sizing: the largest cluster")
+    p.add_argument(
+        "--size-host-gb", type=_sizes, default=None, help="sizing: host memory per node to try"
+    )
+    p.add_argument(
+        "--host-gb-cost", type=float, default=0.0, help="sizing: a host GB's cost, in nodes"
+    )
+    p.add_argument("--size-modes", default="unified,pairs", help="sizing: unified, pairs or both")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -136,6 +151,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     cfg = _cluster(args)
     if args.sweep_host_gb or args.sweep_store_gb:
         return _sweep(args, table, trace, cfg)
+    if args.size:
+        return _size(args, table, trace, cfg)
     run = simulate(table, trace, cfg, progress=not args.no_progress)
     summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
     out = Path(args.out)
@@ -208,6 +225,36 @@ def _sweep(
     return 0
 
 
+def _size(
+    args: argparse.Namespace, table: CostTable, trace: list[TraceRequest], cfg: ClusterConfig
+) -> int:
+    from daemon.sim.cluster import SLO
+    from daemon.sim.sizing import size
+
+    hosts = [h * GB for h in (args.size_host_gb or [args.host_cache_gb])]
+    slo = SLO(args.ttft_p99_s, args.tpot_p99_s)
+    modes = tuple(m.strip() for m in args.size_modes.split(","))
+    result = size(
+        table, trace, cfg, slo, args.max_nodes, hosts, args.host_gb_cost, modes,
+        not args.no_progress,
+    )  # fmt: skip
+    result |= {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    for mode, best in result["best"].items():
+        if best is None:
+            print(f"{mode}: nothing up to {args.max_nodes} nodes meets the SLOs")
+        else:
+            print(
+                f"{mode}: {best['unified'] or best['prefill']}"
+                + ("" if mode == "unified" else f":{best['decode']}")
+                + f" nodes, host {best['host_gb_per_node']} GB a node: TTFT p99 "
+                f"{best['ttft_p99_s']} s, TPOT p99 {best['tpot_p99_s']} s"
+            )
+    print(f"{len(result['trials'])} runs; wrote {out}")
+    return 0
+
+
 def _sizes(text: str) -> list[float]:
     """A comma-separated list of capacities in GB (inf: unlimited)."""
     try:
@@ -228,6 +275,14 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--prefill and --decode go together: a pair needs both"
     if args.nodes + args.prefill + args.decode < 1:
         return "--nodes must be at least 1 (or give --prefill and --decode)"
+    if args.size:
+        modes = {m.strip() for m in args.size_modes.split(",")}
+        if not modes or not modes <= {"unified", "pairs"}:
+            return "--size-modes must be unified, pairs or unified,pairs"
+        if args.max_nodes < 1:
+            return "--max-nodes must be at least 1"
+        if not args.ttft_p99_s > 0 or not args.tpot_p99_s > 0 or not args.host_gb_cost >= 0:
+            return "--ttft-p99-s and --tpot-p99-s must be positive, --host-gb-cost >= 0"
     if not args.link_gb_s > 0 or math.isinf(args.link_gb_s) or not args.link_latency_ms >= 0:
         return "--link-gb-s must be a positive number and --link-latency-ms >= 0"
     if not args.device_kv_gb > 0 or math.isinf(args.device_kv_gb):
