@@ -5,7 +5,6 @@ daemon's own Scheduler, KV manager and prefix cache."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -16,67 +15,15 @@ from daemon.loop.scheduler import Scheduler
 from daemon.sim.cluster import ClusterConfig, simulate
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
-from daemon.sim.table import Bandwidth, CostTable, Grid, KVGeometry, Provenance
 from daemon.sim.trace import read_trace
+from tests.sim_traces import ceiling, conversations, table, write_trace
 
 REAL_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
-BLOCK = 16  # the table's KV block (tokens)
 MB = 2**20
 
 
-def table() -> CostTable:
-    return CostTable(
-        Provenance("test", "2026-12-02T00:00:00+00:00", "cpu", "made by hand", "float32"),
-        KVGeometry(BLOCK, 2, 2, 16, "float32"),  # 8 KiB per block
-        Grid([16, 2048], [0, 8192], [[0.01, 0.02], [0.2, 0.4]]),
-        Grid([1, 64], [16, 8192], [[0.01, 0.02], [0.03, 0.1]]),
-        Bandwidth(1e10),
-        Bandwidth(1e10),
-        Bandwidth(1e9, 1e-3),
-        Bandwidth(1e9, 1e-3),
-    )
-
-
-def ceiling(lines: list[dict]) -> float:
-    """Share of input tokens in blocks seen before: per request, its leading hash ids that an
-    earlier request had, each the tokens of that block in this request; a request computes at
-    least its last token, so its hit is cut to the whole KV blocks before it."""
-    seen: set[int] = set()
-    hit = total = 0
-    for line in sorted(lines, key=lambda d: d["timestamp"]):
-        n, ids = line["input_length"], line["hash_ids"]
-        m = 0
-        while m < len(ids) and ids[m] in seen:
-            m += 1
-        hit += min(min(512 * m, n), (n - 1) // BLOCK * BLOCK)
-        total += n
-        seen.update(ids)
-    return hit / total
-
-
-def conversations(seed: int = 0, sessions: int = 12, turns: int = 4) -> list[dict]:
-    """Multi-turn chats over three shared system prompts: each turn is its parent's full
-    blocks plus new ones, its last block cut short (new ids, as Mooncake's)."""
-    rng = random.Random(seed)
-    next_id = iter(range(10**6))
-    systems = [[next(next_id) for _ in range(rng.randint(1, 3))] for _ in range(3)]
-    lines, t = [], 0
-    for _ in range(sessions):
-        full = list(rng.choice(systems))
-        for _ in range(turns):
-            new = [next(next_id) for _ in range(rng.randint(1, 3))]
-            ids = full + new
-            n = 512 * (len(ids) - 1) + rng.randint(1, 512)
-            lines.append({"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": ids})
-            full = ids[:-1] + [next(next_id)]  # the next turn: this one's blocks, answered
-            t += 1000
-    return lines
-
-
 def run(lines: list[dict], tmp_path: Path, node: NodeConfig, store_bytes: float = 0.0):
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    trace = read_trace(path)
+    trace = read_trace(write_trace(lines, tmp_path))
     # arrivals far apart: each request has left before the next comes (the ceiling's order)
     cfg = ClusterConfig(1, node, store_bytes, time_scale=1000.0)
     return simulate(table(), trace, cfg, progress=False)

@@ -112,6 +112,7 @@ def test_simulate_writes_json_and_png(quick_table: Path, tmp_path: Path) -> None
     ("args", "message"),
     [
         (["--nodes", "0"], "--nodes must be at least 1"),
+        (["--prefill", "2"], "--prefill and --decode go together"),
         (["--device-kv-gb", "inf"], "--device-kv-gb must be a positive number"),
         (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
         (["--table", "/nonexistent/table.json"], "No such file"),

@@ -8,14 +8,18 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import structlog
 
 from daemon.build.config import EngineConfig
 from daemon.sim.router import POLICIES
-from daemon.sim.table import CostTable, TableError
-from daemon.sim.trace import TraceError, read_trace
+from daemon.sim.table import Bandwidth, CostTable, TableError
+from daemon.sim.trace import TraceError, TraceRequest, read_trace
+
+if TYPE_CHECKING:
+    from daemon.sim.cluster import ClusterConfig
 
 TABLES = Path(__file__).parent / "tables"
 CPU_TABLE = TABLES / "cpu-smollm2.json"
@@ -75,7 +79,15 @@ def _kv_bytes_per_token(cfg: EngineConfig) -> float:
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake FAST'25 trace (JSON lines)")
     p.add_argument("--table", default=str(CPU_TABLE), help="cost table (deepinfer profile)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--nodes", type=int, default=None, help="unified nodes (default 1, 0 with pairs)"
+    )
+    p.add_argument("--prefill", type=int, default=0, help="prefill nodes (with --decode)")
+    p.add_argument("--decode", type=int, default=0, help="decode nodes (with --prefill)")
+    p.add_argument(
+        "--link-gb-s", type=float, default=25.0, help="KV handoff link, GB/s (prefill to decode)"
+    )
+    p.add_argument("--link-latency-ms", type=float, default=0.1, help="per handoff")
     p.add_argument("--policy", choices=POLICIES, default=POLICIES[0])
     p.add_argument("--device-kv-gb", type=float, default=1.0, help="KV memory per node")
     p.add_argument("--host-cache-gb", type=float, default=4.0, help="host tier per node (0: none)")
@@ -94,11 +106,34 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--sweep-host-gb",
+        type=_sizes,
+        default=None,
+        help="hit rate vs capacity: host memory per node to try, e.g. 0,16,64,inf",
+    )
+    p.add_argument(
+        "--sweep-store-gb", type=_sizes, default=None, help="block-store capacities to try"
+    )
+    p.add_argument(
+        "--size",
+        action="store_true",
+        help="sizing: the cheapest cluster (unified count, or prefill:decode) meeting the SLOs",
+    )
+    p.add_argument("--ttft-p99-s", type=float, default=2.0, help="sizing: TTFT p99 SLO")
+    p.add_argument("--tpot-p99-s", type=float, default=0.05, help="sizing: TPOT p99 SLO")
+    p.add_argument("--max-nodes", type=int, default=64, help="sizing: the largest cluster")
+    p.add_argument(
+        "--size-host-gb", type=_sizes, default=None, help="sizing: host memory per node to try"
+    )
+    p.add_argument(
+        "--host-gb-cost", type=float, default=0.0, help="sizing: a host GB's cost, in nodes"
+    )
+    p.add_argument("--size-modes", default="unified,pairs", help="sizing: unified, pairs or both")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from daemon.sim.cluster import ClusterConfig, simulate
-    from daemon.sim.node import NodeConfig
+    from daemon.sim.cluster import simulate
     from daemon.sim.result import summarize
 
     # the scheduler's per-step debug lines (preemptions) would flood the terminal
@@ -113,25 +148,16 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (OSError, TableError, TraceError) as e:
         print(f"deepinfer simulate: {e}", file=sys.stderr)
         return 2
-    node = NodeConfig(
-        args.device_kv_gb * GB,
-        args.host_cache_gb * GB,
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-    )
-    cfg = ClusterConfig(args.nodes, node, args.store_gb * GB, args.policy, args.time_scale)
+    cfg = _cluster(args)
+    if args.sweep_host_gb or args.sweep_store_gb:
+        return _sweep(args, table, trace, cfg)
+    if args.size:
+        return _size(args, table, trace, cfg)
     run = simulate(table, trace, cfg, progress=not args.no_progress)
     summary = summarize(run) | {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
     out = Path(args.out)
     out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    png: Path | None = out.with_suffix(".png")
-    try:
-        from daemon.sim.plot import plot
-    except ModuleNotFoundError:  # matplotlib: the `sim` extra
-        png = None
-        print("deepinfer simulate: matplotlib is not installed (the `sim` extra): no plot")
-    else:
-        plot(run, summary, png)
+    png = _plot(out, "plot", run, summary)
     t, p = summary["ttft_s"], summary["prefix"]
     print(
         f"{summary['finished']}/{summary['requests']} requests in {run.end_s:.1f} simulated s "
@@ -142,9 +168,123 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster(args: argparse.Namespace) -> ClusterConfig:
+    from daemon.sim.cluster import ClusterConfig
+    from daemon.sim.node import NodeConfig
+
+    node = NodeConfig(
+        args.device_kv_gb * GB,
+        args.host_cache_gb * GB,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+    )
+    return ClusterConfig(
+        args.nodes,
+        node,
+        args.store_gb * GB,
+        args.policy,
+        args.time_scale,
+        args.prefill,
+        args.decode,
+        Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
+    )
+
+
+def _plot(out: Path, name: str, *what: object) -> Path | None:
+    """The PNG beside `out` by plot.`name`; None (and a line saying so) without matplotlib."""
+    try:
+        from daemon.sim import plot
+    except ModuleNotFoundError:  # matplotlib: the `sim` extra
+        print("deepinfer simulate: matplotlib is not installed (the `sim` extra): no plot")
+        return None
+    png = out.with_suffix(".png")
+    getattr(plot, name)(*what, png)
+    return png
+
+
+def _sweep(
+    args: argparse.Namespace, table: CostTable, trace: list[TraceRequest], cfg: ClusterConfig
+) -> int:
+    from daemon.sim.sweep import sweep
+
+    hosts = args.sweep_host_gb or [args.host_cache_gb]
+    stores = args.sweep_store_gb or [args.store_gb]
+    result = sweep(
+        table, trace, cfg, [h * GB for h in hosts], [s * GB for s in stores], not args.no_progress
+    )
+    result |= {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    png = _plot(out, "plot_sweep", result)
+    for p in result["points"]:
+        print(
+            f"host {p['host_gb_per_node']} GB/node, store {p['store_gb']} GB: hit rate "
+            f"{100 * p['hit_rate']:.1f} %, TTFT p99 {p['ttft_s']['p99']} s"
+        )
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _size(
+    args: argparse.Namespace, table: CostTable, trace: list[TraceRequest], cfg: ClusterConfig
+) -> int:
+    from daemon.sim.cluster import SLO
+    from daemon.sim.sizing import size
+
+    hosts = [h * GB for h in (args.size_host_gb or [args.host_cache_gb])]
+    slo = SLO(args.ttft_p99_s, args.tpot_p99_s)
+    modes = tuple(m.strip() for m in args.size_modes.split(","))
+    result = size(
+        table, trace, cfg, slo, args.max_nodes, hosts, args.host_gb_cost, modes,
+        not args.no_progress,
+    )  # fmt: skip
+    result |= {"table": dataclasses.asdict(table.provenance), "trace": args.trace}
+    out = Path(args.out)
+    out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    for mode, best in result["best"].items():
+        if best is None:
+            print(f"{mode}: nothing up to {args.max_nodes} nodes meets the SLOs")
+        else:
+            print(
+                f"{mode}: {best['unified'] or best['prefill']}"
+                + ("" if mode == "unified" else f":{best['decode']}")
+                + f" nodes, host {best['host_gb_per_node']} GB a node: TTFT p99 "
+                f"{best['ttft_p99_s']} s, TPOT p99 {best['tpot_p99_s']} s"
+            )
+    print(f"{len(result['trials'])} runs; wrote {out}")
+    return 0
+
+
+def _sizes(text: str) -> list[float]:
+    """A comma-separated list of capacities in GB (inf: unlimited)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of numbers like 0,16,inf") from None
+    if not values or any(not v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: capacities must be numbers >= 0")
+    return values
+
+
 def _check(args: argparse.Namespace) -> str | None:
-    if args.nodes < 1:
-        return "--nodes must be at least 1"
+    if args.nodes is None:
+        args.nodes = 0 if args.prefill or args.decode else 1
+    if min(args.nodes, args.prefill, args.decode) < 0:
+        return "--nodes, --prefill and --decode must be >= 0"
+    if (args.prefill > 0) != (args.decode > 0):
+        return "--prefill and --decode go together: a pair needs both"
+    if args.nodes + args.prefill + args.decode < 1:
+        return "--nodes must be at least 1 (or give --prefill and --decode)"
+    if args.size:
+        modes = {m.strip() for m in args.size_modes.split(",")}
+        if not modes or not modes <= {"unified", "pairs"}:
+            return "--size-modes must be unified, pairs or unified,pairs"
+        if args.max_nodes < 1:
+            return "--max-nodes must be at least 1"
+        if not args.ttft_p99_s > 0 or not args.tpot_p99_s > 0 or not args.host_gb_cost >= 0:
+            return "--ttft-p99-s and --tpot-p99-s must be positive, --host-gb-cost >= 0"
+    if not args.link_gb_s > 0 or math.isinf(args.link_gb_s) or not args.link_latency_ms >= 0:
+        return "--link-gb-s must be a positive number and --link-latency-ms >= 0"
     if not args.device_kv_gb > 0 or math.isinf(args.device_kv_gb):
         return "--device-kv-gb must be a positive number"
     for name in ("host_cache_gb", "store_gb"):

@@ -21,10 +21,13 @@ class StepCost:
         chunks = [s for s in step.seqs if not s.is_decode]
         parts = []
         if decodes:
-            context = sum(s.start for s in decodes) / len(decodes)
-            parts.append(self.table.decode.at(len(decodes), context))
+            parts.append(self.decodes(len(decodes), sum(s.start for s in decodes)))
         parts.extend(self.table.prefill.at(s.num_tokens, s.start) for s in chunks)
         if not parts:
             return 0.0
         first, rest = parts[0], parts[1:]
         return first + sum(max(p - self.base, 0.1 * p) for p in rest)
+
+    def decodes(self, seqs: int, context: int) -> float:
+        """A step of `seqs` decodes alone, `context` their positions before it in all."""
+        return self.table.decode.at(seqs, context / seqs)

@@ -1,6 +1,7 @@
-"""One simulated unified node: the real KV manager, prefix cache (device / host / store tiers)
-and Scheduler, stepped by the simulator with each step's time from the cost table and its
-tier copies (and block-store reads) from the table's bandwidths."""
+"""One simulated node: the real KV manager, prefix cache (device / host / store tiers) and
+Scheduler, stepped by the simulator with each step's time from the cost table and its tier
+copies (and block-store reads) from the table's bandwidths. Its role (unified, prefill,
+decode) is a field the cluster reads per request, so it may change during a run."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.cluster.node import NodeInfo, Role
 from daemon.kv.host_tier import HostTier
 from daemon.kv.manager import KVManager
 from daemon.kv.prefix import PrefixCache
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.kv.tier_ops import CacheOps, TierQueue
-from daemon.loop.request import FinishReason, Request
+from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
+from daemon.sim.router import FINGERPRINT, MODEL
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
 
@@ -54,13 +57,20 @@ class NodeCounters:
 
 class SimNode:
     def __init__(
-        self, index: int, table: CostTable, cfg: NodeConfig, store: SimStore | None
+        self,
+        index: int,
+        table: CostTable,
+        cfg: NodeConfig,
+        store: SimStore | None,
+        role: Role = "unified",
     ) -> None:
         g = table.kv
         dtype = getattr(torch, g.dtype)
         spec = FullAttentionSpec(g.block_size, g.num_layers, dtype, g.num_kv_heads, g.head_dim)
         groups = [KVGroup(spec, tuple(range(g.num_layers)))]
         self.index, self.table, self.cost = index, table, StepCost(table)
+        self.role: Role = role
+        self.node_id = f"sim-{index:04d}"  # the router orders peers by id: as by index
         self.block_bytes = g.bytes_per_block
         self.host = HostTier(cfg.host_bytes) if cfg.host_bytes else None
         self.queue = TierQueue(self.host, self.block_bytes)
@@ -149,8 +159,91 @@ class SimNode:
         self.counters.preemptions = self.scheduler.num_preemptions
         return out
 
+    # ---- decode runs between events ----------------------------------------------------------
+
+    def steady_steps(self) -> int:
+        """How many steps from now are each exactly what Scheduler.schedule would make here:
+        every running request one decode token, nothing admitted, no KV block to allocate
+        or register, no cache op and no request finishing; 0 when the node is not so."""
+        sched = self.scheduler
+        if self.running is not None or sched.waiting or not sched.running:
+            return 0
+        if sched.speculator is not None or self.prefix.swa is not None or self.queue.ops:
+            return 0
+        if len(sched.running) > sched.max_num_batched_tokens:
+            return 0
+        block = self.kv.prefix_block
+        steps = 1 << 62
+        for req in sched.running:
+            st = req.prefix
+            c = req.num_computed
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.num_inflight_steps
+                or req.verifying
+                or req.params.constraint is not None
+                or c != req.seq_len - 1
+                or len(req.output_ids) != req.num_sampled_scheduled
+                or st.replay_until > c
+                or st.pending_restore is not None
+                or st.swa_marks
+            ):
+                return 0
+            held = len(self.kv.tables[req.request_id][0]) * block
+            steps = min(
+                steps,
+                (st.num_registered + 1) * block - c,  # the next full block is registered then
+                held - c,  # then grows by a block
+                req.params.max_tokens - len(req.output_ids) - 1,  # then finishes
+            )
+        return max(steps, 0)
+
+    def run_steady(self, now: float, until: float, steps: int) -> float:
+        """Take up to `steps` of the steps `steady_steps` counted, each ending before
+        `until`, with the scheduler's and `finish_step`'s effect on the requests; the time
+        the last one ended (`now` if none did)."""
+        reqs = self.scheduler.running
+        n = len(reqs)
+        context = sum(r.num_computed for r in reqs)
+        c = self.counters
+        done = 0
+        while done < steps:
+            seconds = max(self.cost.decodes(n, context), MIN_STEP_S)
+            end = now + seconds
+            if end >= until:
+                break
+            now = end
+            context += n
+            done += 1
+            c.steps += 1
+            c.busy_s += seconds
+            c.decode_tokens += n
+        if done:
+            for req in reqs:
+                req.num_computed += done
+                req.num_sampled_scheduled += done
+                req.output_ids.extend([OUTPUT_TOKEN] * done)
+        return now
+
     def load(self) -> int:
         return self.unfinished
+
+    def info(self) -> NodeInfo:
+        """This node as a peer of the router: role, capacity and load (a heartbeat's)."""
+        return NodeInfo(
+            self.node_id,
+            self.role,
+            FINGERPRINT,
+            f"http://{self.node_id}.sim",
+            0,
+            MODEL,
+            {"kv_blocks": self.kv.num_blocks[0], "max_num_seqs": self.scheduler.max_num_seqs},
+            {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "kv_blocks_free": self.kv.pools[0].num_free,
+            },
+        )
 
     def cached_prefix(self, keys: list[bytes]) -> int:
         """Leading blocks of `keys` in this node's memory (device or host)."""

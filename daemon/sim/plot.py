@@ -20,7 +20,7 @@ def plot(run: SimRun, summary: dict, path: str | Path) -> None:
     queues.plot(t, [s.running for s in run.samples], label="running")
     queues.plot(t, [s.waiting for s in run.samples], label="waiting")
     queues.plot(t, [s.loading for s in run.samples], label="reading the store")
-    queues.set(title=f"requests over time ({run.cfg.nodes} nodes)", xlabel="simulated s")
+    queues.set(title=f"requests over time ({run.cfg.total_nodes} nodes)", xlabel="simulated s")
     queues.legend()
     for ax, values, name in (
         (ttft, [r.first_token_s - r.arrival_s for r in done], "TTFT"),
@@ -45,6 +45,29 @@ def plot(run: SimRun, summary: dict, path: str | Path) -> None:
         title=f"prompt tokens hit by tier (total {100 * summary['prefix']['hit_rate']:.1f} %)",
         ylabel="%",
     )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_sweep(result: dict, path: str | Path) -> None:
+    """Hit rate against host memory per node, a line per store capacity."""
+    hosts = result["host_gb_per_node"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for store in result["store_gb"]:
+        points = [p for p in result["points"] if p["store_gb"] == store]
+        rates = [100 * p["hit_rate"] for p in points]
+        label = (
+            "no store" if store == 0 else f"store {store}" + ("" if store == "unlimited" else " GB")
+        )
+        ax.plot(range(len(points)), rates, marker="o", label=label)
+    ax.set_xticks(range(len(hosts)), [str(h) for h in hosts])
+    ax.set(
+        title=f"prefix hit rate vs capacity (device KV {result['device_kv_gb_per_node']:g} GB a node)",
+        xlabel="host memory per node (GB)",
+        ylabel="prompt tokens hit (%)",
+    )
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import asdict
 
 from daemon.kv.tier_stats import TIERS
-from daemon.sim.cluster import SimRun
+from daemon.sim.cluster import RequestRecord, SimRun
 
 PERCENTILES = (50, 90, 99)
 
@@ -39,6 +39,9 @@ def summarize(run: SimRun) -> dict:
     return {
         "config": {
             "nodes": run.cfg.nodes,
+            "prefill": run.cfg.prefill,
+            "decode": run.cfg.decode,
+            "link": asdict(run.cfg.link),
             "policy": run.cfg.policy,
             "time_scale": run.cfg.time_scale,
             "store_bytes": _finite(run.cfg.store_bytes),
@@ -71,8 +74,23 @@ def summarize(run: SimRun) -> dict:
             "written": store.counters.bytes_written if store else 0,
             "read": store.counters.bytes_read if store else 0,
         },
-        "per_node": [asdict(n.counters) | {"utilization": n.counters.busy_s / span} for n in nodes],
+        "handoff": _handoffs(done),
+        "per_node": [
+            {"role": n.role} | asdict(n.counters) | {"utilization": n.counters.busy_s / span}
+            for n in nodes
+        ],
         "timeline": [asdict(s) for s in run.samples],
+    }
+
+
+def _handoffs(done: list[RequestRecord]) -> dict:
+    """Prefill / decode pairs' KV handoffs: how many, their bytes, and the time from a
+    request's arrival to its KV on the decode node."""
+    handed = [r for r in done if r.handoff_s is not None]
+    return {
+        "count": len(handed),
+        "bytes": sum(r.handoff_bytes for r in handed),
+        "arrival_to_kv_s": percentiles([r.handoff_s - r.arrival_s for r in handed]),  # type: ignore[operator]
     }
 
 

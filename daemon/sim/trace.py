@@ -4,10 +4,12 @@ token blocks, different ids different ones, so the real prefix hashing finds wha
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
@@ -66,14 +68,19 @@ def _lines(path: Path) -> Iterator[TraceRequest]:
             yield req
 
 
-def block_tokens(hash_id: int, vocab_size: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # shared prefixes (system prompts) come back often
+def block_tokens(hash_id: int, vocab_size: int) -> tuple[int, ...]:
     """The 512 token ids of one hash id: its first three spell the id in base `vocab_size`
     (so different ids differ; vocabularies from 2**16 up spell any 48-bit id), the rest follow
     from it."""
     digits = [hash_id % vocab_size, (hash_id // vocab_size) % vocab_size]
     digits.append((hash_id // vocab_size**2) % vocab_size)
     step = 1 + hash_id % 7919
-    return digits + [(hash_id + step * j) % vocab_size for j in range(TRACE_BLOCK - 3)]
+    rest = (hash_id + step * _OFFSETS) % vocab_size  # int64: exact below 2**63
+    return tuple(digits + rest.tolist())
+
+
+_OFFSETS = np.arange(TRACE_BLOCK - 3, dtype=np.int64)
 
 
 def prompt_tokens(req: TraceRequest, vocab_size: int) -> list[int]:
