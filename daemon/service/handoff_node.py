@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import cast
 
 from daemon.api.http.cluster_handoff import HandoffConfig
 from daemon.cluster.config import ClusterConfig
 from daemon.cluster.fingerprint import kv_layout, model_fingerprint
-from daemon.cluster.node import PROCESS_EPOCH
+from daemon.cluster.live_role import LiveRole
+from daemon.cluster.node import PROCESS_EPOCH, Role
 from daemon.loop.engine import Engine
 from daemon.models.loader import read_config
 
@@ -26,7 +28,7 @@ async def handoff_config(
         lambda: model_fingerprint(model_dir, read_config(model_dir), layout)
     )
     return HandoffConfig(
-        cluster.role,
+        LiveRole(cast(Role, cluster.role)),
         fingerprint,
         PROCESS_EPOCH,
         routers=tuple(url.rstrip("/") for url in cluster.peers),
