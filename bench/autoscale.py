@@ -2,6 +2,8 @@
 daemons (2 prefill + 2 decode to start), with and without `--autoscale`: SLO attainment (TTFT
 and TPOT within their targets, measured by the client), failed requests, node-seconds by role
 (polled from the router every second) and the router's decisions (its /metrics and log).
+The nodes run eager (no compiled decode forward): four of them compiling at once on a small
+machine take minutes to start, and the roles, not the kernels, are under test.
 
     python -m bench.autoscale [--phase-s 40 --rate-prefill 2 --rate-decode 4 --json F]
 """
@@ -112,7 +114,7 @@ async def drive(router: str, args) -> Result:
     res = Result()
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        await wait_nodes(http, router, 4, 180)
+        await wait_nodes(http, router, 4, 600)
         poller = asyncio.create_task(poll_roles(http, router, res))
         tasks = []
         phases = [
@@ -148,7 +150,7 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
             "--model", str(model), "--served-model-name", NAME, "--role", role,
             "--node-id", f"n{i}", "--peers", router, "--kv-cache-memory-gb", "0.05",
             "--max-num-seqs", "16", "--max-model-len", "2048", "--no-kv-store",
-            "--cpu-threads", "1", "--log-format", "json",
+            "--cpu-threads", "1", "--log-format", "json", "--enforce-eager",
         ]  # fmt: skip
         procs.append(spawn(ports[i], node, tmp / f"n{i}-{autoscale}.log"))
     try:

@@ -1,10 +1,12 @@
 """A live role change between real daemons (a router, two nodes of a tiny random model on
 127.0.0.1): through the admin HTTP call (bearer token; 401 without, in the API's error shape)
 and the admin socket (`deepinfer admin set-role`); a node moved while it streams drains that
-stream to its end, no request fails meanwhile, and it then serves its new role, same process."""
+stream to its end, no request fails meanwhile, and it then serves its new role, same process;
+the router's autoscaler moving a node by that call."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -15,10 +17,18 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from openai import OpenAI
+from prometheus_client import generate_latest
 
+from daemon.api.http.cluster_autoscale import RouterAutoscaler
+from daemon.api.http.cluster_state import RouterState
+from daemon.cluster.autoscale import Autoscaler, Decision, Targets
+from daemon.cluster.node import NodeInfo
+from daemon.cluster.peers import PeerSet
 from daemon.cluster.registry_routes import NODES
+from daemon.cluster.router import Router
 from daemon.service.live_server import free_port
 from tests.daemons import ROOT, checkout_env, spawn, wait_healthy
 
@@ -177,3 +187,31 @@ def test_admin_socket_set_role(cluster: dict) -> None:
     assert answer["changed"] and answer["role"] == "decode"
     assert set(_roles(router).values()) == {"decode"}
     assert _complete(router, 8)  # served, locally computed: no prefill node is left
+
+
+def test_the_router_autoscaler_moves_a_node_through_its_admin_call(cluster: dict) -> None:
+    """The router's autoscaler (in this process, over the real nodes): slow first tokens in its
+    window and idle decode nodes move one node to prefill, by the node's admin HTTP call."""
+    router = cluster["urls"]["router"]
+    assert set(_roles(router).values()) == {"decode"}
+
+    async def scale() -> tuple[Decision, str]:
+        peers = PeerSet()
+        for n in _get(router + NODES)["data"]:
+            peers.upsert(NodeInfo.from_json(n), 30)
+        state = RouterState(Router(peers), url=router, lease_ms=1000, created=0)
+        targets = Targets(ttft_p99_s=1.0, tpot_p99_s=1.0)
+        scaler = RouterAutoscaler(state, Autoscaler(targets), 10, TOKEN, 30)
+        for _ in range(20):
+            state.slo.add(time.monotonic(), 3.0, 0.01)  # TTFT 3x its target
+        async with aiohttp.ClientSession() as state.session:
+            decision = await scaler.tick()
+        return decision, generate_latest(state.metrics.registry).decode()
+
+    decision, metrics = asyncio.run(scale())
+    assert decision.kind == "decode_to_prefill" and decision.inputs.ttft_p99_s == 3.0
+    assert _roles(router)[decision.node_id] == "prefill"
+    assert 'deepinfer:autoscale_decisions_total{kind="decode_to_prefill"} 1.0' in metrics
+    assert 'deepinfer:autoscale_moves_total{result="ok"} 1.0' in metrics
+    assert 'deepinfer:autoscale_input{name="ttft_p99_s"} 3.0' in metrics
+    assert 'deepinfer:autoscale_nodes{role="decode"} 2.0' in metrics

@@ -45,11 +45,13 @@ class EtcdAnnouncer:
         self.where = f"{host}:{port}"
         self.lease: aetcd.Lease | None = None
         self._task: asyncio.Task[None] | None = None
+        self._left = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._keep(), name="etcd-announcer")
 
     async def leave(self) -> None:
+        self._left = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -75,7 +77,7 @@ class EtcdAnnouncer:
         await self._beat_now()
 
     async def _beat_now(self) -> None:
-        if self._task is None:
+        if self._task is None or self._left:  # not started, or left
             return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -84,7 +86,8 @@ class EtcdAnnouncer:
             await self._beat()
         except _FAILURES as e:  # the beats try again
             log.warning("etcd_unreachable", etcd=self.where, error=repr(e))
-        self._task = asyncio.create_task(self._keep(), name="etcd-announcer")
+        if not self._left:  # a leave meanwhile: no key again
+            self._task = asyncio.create_task(self._keep(), name="etcd-announcer")
 
     async def _keep(self) -> None:
         await _every(self.interval, self.where, self._beat)

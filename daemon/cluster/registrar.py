@@ -38,6 +38,7 @@ class HttpRegistrar:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.registered: dict[str, bool] = dict.fromkeys(registries, False)
+        self._left = False
 
     async def start(self) -> None:
         # each call is bounded by a heartbeat interval: a late one is as good as lost
@@ -47,6 +48,8 @@ class HttpRegistrar:
         self._start_keeping()
 
     def _start_keeping(self) -> None:
+        if self._left:  # a role change that ends after the node left registers nowhere
+            return
         self._tasks = [
             asyncio.create_task(self._keep(url.rstrip("/")), name=f"registrar {url}")
             for url in self.registries
@@ -72,7 +75,7 @@ class HttpRegistrar:
         """Registers again with `role`, now; the heartbeats stop meanwhile, so that no
         registration of the old role can land after the new one."""
         self.info = replace(self.info, role=role)
-        if self._session is None:
+        if self._session is None or self._left:
             return
         await self._stop_keeping()
         urls = [url.rstrip("/") for url in self.registries]
@@ -89,6 +92,7 @@ class HttpRegistrar:
             return False
 
     async def leave(self) -> None:
+        self._left = True
         await self._stop_keeping()
         if self._session is None:
             return
