@@ -1,11 +1,16 @@
-"""The P:D autoscaling policy: pressures, hysteresis, dwell times, minimums; and the SLO window."""
+"""The P:D autoscaling policy: pressures, hysteresis, dwell times, minimums; the router's
+inputs to it: the SLO window, a stream's TTFT / TPOT, a window read from the heartbeats."""
 
 from __future__ import annotations
 
 import pytest
 
 from daemon.cluster.autoscale import Autoscaler, NodeLoad, Targets, WindowInputs, pressures
+from daemon.cluster.autoscale_inputs import window_inputs
+from daemon.cluster.node import NodeInfo
+from daemon.cluster.peers import PeerSet
 from daemon.cluster.slo_window import SloWindow, p99
+from daemon.cluster.stream_timing import StreamTiming, carries_output
 
 T = Targets(ttft_p99_s=1.0, tpot_p99_s=0.1, up=1.0, down=0.6, node_dwell_s=60, global_dwell_s=20)
 
@@ -96,3 +101,36 @@ def test_slo_window_keeps_one_window():
     assert n == 100 and ttft == 0.98 and tpot == pytest.approx(0.98)
     assert w.read(25.0) == (None, None, 0)
     assert p99([3.0]) == 3.0 and p99([]) is None
+
+
+def test_stream_timing_counts_output_events_only():
+    chat = StreamTiming("/v1/chat/completions", started=0.0)
+    chat.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n', 0.1)
+    assert chat.ttft_s() is None  # the opening carries no output
+    chat.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', 0.5)
+    chat.feed(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n', 0.7)
+    chat.feed(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n', 0.8)
+    assert chat.ttft_s() == 0.5 and chat.tpot_s() == pytest.approx(0.2)
+    msg = StreamTiming("/v1/messages", started=1.0)
+    msg.feed(b"event: message_start\ndata: {}\n\n", 1.1)
+    msg.feed(b"event: content_block_delta\ndata: {}\n\n", 1.4)
+    assert msg.ttft_s() == pytest.approx(0.4) and msg.tpot_s() is None
+    assert carries_output("/v1/responses", b"event: response.output_text.delta\ndata: {}")
+    assert not carries_output("/v1/responses", b"event: response.created\ndata: {}")
+    assert carries_output("/v1/completions", b'data: {"choices":[{"text":"x"}]}')
+
+
+def test_window_inputs_from_heartbeats():
+    peers, slo = PeerSet(clock=lambda: 0.0), SloWindow(10)
+    info = dict(fingerprint="f", url="http://h:1", epoch=1, served_model="m")
+    peers.upsert(NodeInfo("p0", "prefill", **info, load={"waiting": 3}), 5)
+    peers.upsert(NodeInfo("d0", "decode", **info, capacity={"kv_blocks": 100},
+                          load={"kv_blocks_free": 25, "waiting": 1, "running": 4}), 5)  # fmt: skip
+    peers.upsert(NodeInfo("d1", "decode", **info, capacity={"kv_blocks": 100},
+                          load={"kv_blocks_free": 0, "draining": 1}), 5)  # fmt: skip
+    slo.add(0.0, 1.5, 0.05)
+    w = window_inputs(peers, slo, 1.0)
+    assert (w.ttft_p99_s, w.tpot_p99_s, w.samples) == (1.5, 0.05, 1)
+    assert w.decode_kv_util == 0.75  # the draining node is left out
+    assert (w.prefill_queue, w.decode_queue, w.count("decode")) == (3, 1, 1)
+    assert w.nodes[1] == NodeLoad("d0", "decode", running=4, waiting=1)
