@@ -6,6 +6,7 @@ The nodes run eager (no compiled decode forward): four of them compiling at once
 machine take minutes to start, and the roles, not the kernels, are under test.
 
     python -m bench.autoscale [--phase-s 40 --rate-prefill 2 --rate-decode 4 --json F]
+        [--sim-table T.json]  # the same shift in the simulator (daemon/sim/pd.py), same policy
 """
 
 from __future__ import annotations
@@ -117,12 +118,7 @@ async def drive(router: str, args) -> Result:
         await wait_nodes(http, router, 4, 600)
         poller = asyncio.create_task(poll_roles(http, router, res))
         tasks = []
-        phases = [
-            (args.rate_prefill, args.long_prompt, 2),
-            (args.rate_decode, 16, args.long_output),
-            (args.rate_prefill, args.long_prompt, 2),
-        ]
-        for rate, prompt, out in phases:
+        for rate, prompt, out in phases(args):
             for _ in range(int(args.phase_s * rate)):
                 tasks.append(asyncio.create_task(one(http, router, prompt, out, args, res)))
                 await asyncio.sleep(1 / rate)
@@ -185,6 +181,48 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
     }
 
 
+def phases(args) -> list[tuple[float, int, int]]:
+    """(rate, prompt tokens, output tokens) of each phase."""
+    return [
+        (args.rate_prefill, args.long_prompt, 2),
+        (args.rate_decode, 16, args.long_output),
+        (args.rate_prefill, args.long_prompt, 2),
+    ]
+
+
+def simulated(args) -> list[dict]:
+    """The shift through the simulator's P/D cluster (2 + 2 nodes), fixed and autoscaled."""
+    from daemon.cluster.autoscale import Targets
+    from daemon.sim.node import NodeConfig
+    from daemon.sim.pd import PDConfig, simulate_pd, summarize_pd
+    from daemon.sim.table import CostTable
+    from daemon.sim.trace import TraceRequest
+
+    trace, ids = [], iter(range(1 << 30))
+    for k, (rate, prompt, out) in enumerate(phases(args)):
+        for i in range(int(args.phase_s * rate)):
+            blocks = tuple(next(ids) for _ in range(-(-prompt // 512)))
+            trace.append(TraceRequest(k * args.phase_s + i / rate, prompt, out, blocks))
+    targets = Targets(
+        ttft_p99_s=args.ttft_s, tpot_p99_s=args.tpot_s,
+        node_dwell_s=args.window_s * 2, global_dwell_s=args.window_s,
+    )  # fmt: skip
+    table = CostTable.load(args.sim_table)
+    node = NodeConfig(0.05 * 2**30, 0, 16, 2048)
+    runs = []
+    for scaled in (False, True):
+        cfg = PDConfig(2, 2, node, targets=targets if scaled else None, window_s=args.window_s)
+        r = summarize_pd(simulate_pd(table, trace, cfg), targets)
+        runs.append(r)
+        kinds = [d["kind"] for d in r["decisions"] if d["kind"] != "hold"]
+        print(
+            f"sim {'autoscale' if scaled else 'fixed'}: SLO attainment "
+            f"{100 * r['slo']['attainment']:.1f} %, node-seconds {r['node_seconds']}, "
+            f"moves {kinds}"
+        )
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase-s", type=float, default=40)
@@ -195,8 +233,11 @@ def main() -> None:
     p.add_argument("--ttft-s", type=float, default=2.0)
     p.add_argument("--tpot-s", type=float, default=0.1)
     p.add_argument("--window-s", type=float, default=5.0)
-    p.add_argument("--arms", nargs="+", default=["fixed", "autoscale"])
+    p.add_argument(
+        "--arms", nargs="*", default=["fixed", "autoscale"], choices=["fixed", "autoscale"]
+    )
     p.add_argument("--json", type=Path)
+    p.add_argument("--sim-table", type=Path, help="a `deepinfer profile` table: simulate too")
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-autoscale-"))
     spec = ModelSpec(num_layers=4, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=4096)
@@ -210,6 +251,8 @@ def main() -> None:
             f"{100 * r['slo_attainment']:.1f} %, TTFT p99 {r['ttft_p99_s']}, TPOT p99 "
             f"{r['tpot_p99_s']}, node-seconds {r['node_seconds']}, moves {len(r['moves'])}"
         )
+    if args.sim_table:
+        out["sim"] = simulated(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(f"logs in {tmp}")
