@@ -35,7 +35,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
-from daemon.service.cluster_node import engine_load, local_node
+from daemon.service.cluster_node import engine_load, fingerprint_of, local_node
 from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
@@ -84,23 +84,20 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     demo = is_demo(read_config(model_dir))
     logs.add_secret(server_cfg.api_key)
     logs.add_secret(server_cfg.admin_token)
-    handoff = await handoff_config(settings.cluster, engine, model_dir, server_cfg.api_key)
+    cluster = settings.cluster
+    in_a_cluster = registers(cluster) or cluster.role in ("prefill", "decode")
+    fingerprint = await fingerprint_of(engine, model_dir) if in_a_cluster else ""
+    handoff = handoff_config(cluster, fingerprint, server_cfg.api_key)
     port = socks[0].getsockname()[1]  # the one bound (the settings may say 0)
     announce: Announcer | None = None
     node = None
-    if registers(settings.cluster):
-        node = await local_node(
-            settings.cluster,
-            engine,
-            name,
-            model_dir,
-            server_cfg.host,
-            port,
-            engine_cfg.max_num_seqs,
+    if registers(cluster):
+        node = local_node(
+            cluster, engine, name, fingerprint, server_cfg.host, port, engine_cfg.max_num_seqs
         )
-        announce = announcer(settings.cluster, node, _load(engine, handoff), server_cfg.api_key)
+        announce = announcer(cluster, node, _load(engine, handoff), server_cfg.api_key)
     role_change = (
-        RoleChanger(handoff.role, announce, settings.cluster.role_drain_timeout_s)
+        RoleChanger(handoff.role, announce, cluster.role_drain_timeout_s)
         if handoff is not None
         else None
     )
@@ -126,8 +123,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
             role=node.role,
             advertise_url=node.url,
             fingerprint=node.fingerprint[:16],
-            discovery=settings.cluster.discovery,
-            peers=settings.cluster.peers,
+            discovery=cluster.discovery,
+            peers=cluster.peers,
         )
     admin = (
         await start_admin(app[STATE], admin_sock, role_change) if admin_sock is not None else None
