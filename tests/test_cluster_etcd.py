@@ -2,7 +2,8 @@
 there and a request through it is handed off (the decode node names its router: --routers); a
 daemon keeps its NodeInfo under /deepinfer/nodes/<id> on a lease; a router-side EtcdPeerFeed
 sees it come, lapse (frozen), come back with a new lease and leave (SIGTERM); a lease revoked
-under a live announcer is taken again; a dead etcd holds nobody up."""
+under a live announcer is taken again; a role change rewrites the key at once; a dead etcd
+holds nobody up."""
 
 from __future__ import annotations
 
@@ -183,3 +184,33 @@ async def test_a_dead_etcd_holds_nobody_up() -> None:
     await announcer.leave()
     await feed.stop()
     assert time.monotonic() - start < 2.5
+
+
+async def test_a_role_change_rewrites_the_key_at_once(etcd: Etcd) -> None:
+    draining = {"now": 0}
+    load = lambda: {"running": 0} | ({"draining": 1} if draining["now"] else {})  # noqa: E731
+    announcer = EtcdAnnouncer(_info("role0"), etcd.host, etcd.port, 30.0, load)  # beats every 10 s
+    await announcer.start()
+    try:
+        async with aetcd.Client(etcd.host, etcd.port, timeout=2) as client:
+
+            async def value() -> dict | None:
+                kv = await client.get(node_key("role0"))
+                return None if kv is None else orjson.loads(kv.value)
+
+            deadline = time.monotonic() + 5
+            while await value() is None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            draining["now"] = 1
+            await announcer.refresh()
+            assert (await value())["load"] == {"running": 0, "draining": 1}
+            draining["now"] = 0
+            await announcer.set_role("prefill")
+            now = await value()
+            assert now["role"] == "prefill" and now["load"] == {"running": 0}
+    finally:
+        await announcer.leave()
+    await announcer.set_role("decode")  # after leaving: no key again
+    async with aetcd.Client(etcd.host, etcd.port, timeout=2) as client:
+        assert await client.get(node_key("role0")) is None

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cluster.config import ClusterConfig, advertise_url, etcd_endpoint, node_id
+from daemon.cluster.config import (
+    ClusterConfig,
+    advertise_url,
+    autoscale_targets,
+    etcd_endpoint,
+    node_id,
+)
 from daemon.service.cli import build_parser
-from daemon.service.flags import settings_from
+from daemon.service.flags import overrides, settings_from
 from daemon.service.settings import ConfigError, load_settings
 from tests.daemons import ROOT
 
@@ -91,11 +97,27 @@ def test_file_and_environment(tmp_path: Path) -> None:
             ["--role", "prefill", "--peers", "http://127.0.0.1:8000", "--host", "0.0.0.0"],
             "cluster.advertise_url",
         ),
+        (["--role-drain-timeout-s", "0"], "cluster.role_drain_timeout_s"),
+        (["--autoscale"], "cluster.autoscale"),  # only a router
+        (["--role", "router", "--autoscale"], "server.admin_token"),
+        (["--autoscale-up", "0.5", "--autoscale-down", "0.6"], "cluster.autoscale"),
+        (["--autoscale-window-s", "0"], "cluster.autoscale_window_s"),
     ],
 )
 def test_bad_values_name_the_key(flags: list[str], key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         _settings(*flags)
+
+
+def test_autoscale_settings() -> None:
+    assert _settings().cluster.autoscale is False
+    env = {"DEEPINFER_SERVER_ADMIN_TOKEN": "t0k", "DEEPINFER_CLUSTER_AUTOSCALE_TTFT_P99_S": "0.5"}
+    flags = ["serve", "--role", "router", "--autoscale", "--autoscale-node-dwell-s", "30"]
+    args = build_parser().parse_args(flags)
+    s = load_settings(None, env, overrides(args))
+    targets = autoscale_targets(s.cluster)
+    assert s.cluster.autoscale and s.server.admin_token == "t0k"
+    assert (targets.ttft_p99_s, targets.node_dwell_s, targets.up) == (0.5, 30.0, 1.0)
 
 
 def test_serve_refuses_bad_cluster_flags() -> None:

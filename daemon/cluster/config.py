@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from daemon.cluster.autoscale import Targets
+
 # a node id is a path segment (/cluster/v1/nodes/<id>) and an etcd key's last part
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -26,6 +28,32 @@ class ClusterConfig:
     lease_s: float = 6.0  # a node whose lease lapses leaves the set; heartbeats every lease/3
     handoff_timeout_s: float = 30.0  # a KV handoff not done by then is recomputed locally
     handoff_min_tokens: int = 2  # a decode node computes shorter prompts itself, no handoff
+    role_drain_timeout_s: float = 60.0  # a live role change not drained by then is undone
+    # the router's P:D autoscaler (cluster/autoscale.py): off unless asked for
+    autoscale: bool = False
+    autoscale_window_s: float = 10.0  # the p99s are over this window; a decision each window
+    autoscale_ttft_p99_s: float = 2.0
+    autoscale_tpot_p99_s: float = 0.1
+    autoscale_kv_util: float = 0.85
+    autoscale_queue_per_node: float = 8.0
+    autoscale_up: float = 1.0  # pressure (measured / target) above which a side needs a node
+    autoscale_down: float = 0.6  # and below which it can give one
+    autoscale_node_dwell_s: float = 60.0
+    autoscale_global_dwell_s: float = 20.0
+
+
+def autoscale_targets(cfg: ClusterConfig) -> Targets:
+    """The policy's targets from the settings; ValueError names what is wrong."""
+    return Targets(
+        ttft_p99_s=cfg.autoscale_ttft_p99_s,
+        tpot_p99_s=cfg.autoscale_tpot_p99_s,
+        kv_util=cfg.autoscale_kv_util,
+        queue_per_node=cfg.autoscale_queue_per_node,
+        up=cfg.autoscale_up,
+        down=cfg.autoscale_down,
+        node_dwell_s=cfg.autoscale_node_dwell_s,
+        global_dwell_s=cfg.autoscale_global_dwell_s,
+    )
 
 
 def etcd_endpoint(discovery: str) -> tuple[str, int] | None:

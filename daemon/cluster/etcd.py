@@ -16,7 +16,7 @@ import orjson
 import structlog
 
 from daemon.cluster.announce import Load
-from daemon.cluster.node import NodeInfo, NodeInfoError
+from daemon.cluster.node import NodeInfo, NodeInfoError, Role
 from daemon.cluster.peers import PeerSet
 
 log = structlog.get_logger(__name__)
@@ -45,11 +45,13 @@ class EtcdAnnouncer:
         self.where = f"{host}:{port}"
         self.lease: aetcd.Lease | None = None
         self._task: asyncio.Task[None] | None = None
+        self._left = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._keep(), name="etcd-announcer")
 
     async def leave(self) -> None:
+        self._left = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -63,6 +65,29 @@ class EtcdAnnouncer:
         finally:
             with contextlib.suppress(*_FAILURES):
                 await asyncio.wait_for(self.client.close(), self.timeout)
+
+    async def refresh(self) -> None:
+        """The node's key written now, with its current load."""
+        await self._beat_now()
+
+    async def set_role(self, role: Role) -> None:
+        """The key written again with `role`, now; the beats pause meanwhile, so that no
+        value of the old role can land after the new one."""
+        self.info = replace(self.info, role=role)
+        await self._beat_now()
+
+    async def _beat_now(self) -> None:
+        if self._task is None or self._left:  # not started, or left
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        try:
+            await self._beat()
+        except _FAILURES as e:  # the beats try again
+            log.warning("etcd_unreachable", etcd=self.where, error=repr(e))
+        if not self._left:  # a leave meanwhile: no key again
+            self._task = asyncio.create_task(self._keep(), name="etcd-announcer")
 
     async def _keep(self) -> None:
         await _every(self.interval, self.where, self._beat)

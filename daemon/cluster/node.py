@@ -13,7 +13,7 @@ ROLES: tuple[str, ...] = get_args(Role)
 PROCESS_EPOCH = time.time_ns()
 
 _CAPACITY_KEYS = ("kv_blocks", "max_num_seqs")
-_LOAD_KEYS = ("running", "waiting", "kv_blocks_free")
+_LOAD_KEYS = ("running", "waiting", "kv_blocks_free", "draining")  # draining: 0 or 1
 
 
 class NodeInfoError(ValueError):
@@ -29,7 +29,7 @@ class NodeInfo:
     epoch: int  # grows with each process start of the same node id
     served_model: str  # the name clients put in "model"
     capacity: dict[str, int] = field(default_factory=dict)  # kv_blocks, max_num_seqs
-    load: dict[str, int] = field(default_factory=dict)  # running, waiting, kv_blocks_free
+    load: dict[str, int] = field(default_factory=dict)  # running, waiting, kv_blocks_free, draining
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -1,19 +1,20 @@
 """HTTP discovery, the node's side: registers with every registry URL (`--peers`), heartbeats
 every lease/3 with its load, registers again when a heartbeat finds itself unknown (the
-registry restarted or the lease lapsed) and leaves on drain. Every call has a timeout: a dead
-registry costs a log line, never the node."""
+registry restarted or the lease lapsed) and leaves on drain; a live role change registers again
+at once. Every call has a timeout: a dead registry costs a log line, never the node."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import aiohttp
 import structlog
 
 from daemon.cluster.announce import Load
-from daemon.cluster.node import NodeInfo
+from daemon.cluster.node import NodeInfo, Role
 from daemon.cluster.registry_routes import NODES
 
 log = structlog.get_logger(__name__)
@@ -37,23 +38,62 @@ class HttpRegistrar:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.registered: dict[str, bool] = dict.fromkeys(registries, False)
+        self._left = False
 
     async def start(self) -> None:
         # each call is bounded by a heartbeat interval: a late one is as good as lost
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.interval), headers=self._headers
         )
+        self._start_keeping()
+
+    def _start_keeping(self) -> None:
+        if self._left:  # a role change that ends after the node left registers nowhere
+            return
         self._tasks = [
             asyncio.create_task(self._keep(url.rstrip("/")), name=f"registrar {url}")
             for url in self.registries
         ]
 
-    async def leave(self) -> None:
+    async def _stop_keeping(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._tasks = []
+
+    async def refresh(self) -> None:
+        """A heartbeat to every registry now (the load changed in a way routers must see)."""
+        if self._session is None:
+            return
+        await asyncio.gather(
+            *(self._now(url.rstrip("/"), self._heartbeat) for url in self.registries)
+        )
+
+    async def set_role(self, role: Role) -> None:
+        """Registers again with `role`, now; the heartbeats stop meanwhile, so that no
+        registration of the old role can land after the new one."""
+        self.info = replace(self.info, role=role)
+        if self._session is None or self._left:
+            return
+        await self._stop_keeping()
+        urls = [url.rstrip("/") for url in self.registries]
+        done = await asyncio.gather(*(self._now(url, self._register) for url in urls))
+        for url, ok in zip(self.registries, done, strict=True):
+            self.registered[url] = bool(ok)
+        self._start_keeping()
+
+    async def _now(self, url: str, call: Callable[[str], Awaitable[bool]]) -> bool:
+        try:
+            return await call(url)
+        except _FAILURES as e:  # the heartbeat loop tries again
+            log.warning("registry_unreachable", registry=url, error=repr(e))
+            return False
+
+    async def leave(self) -> None:
+        self._left = True
+        await self._stop_keeping()
         if self._session is None:
             return
         try:

@@ -53,7 +53,9 @@ async def register(request: web.Request) -> web.Response:
     if live is not None and info.epoch < live.epoch:
         return _stale(info.node_id, live.epoch)
     peers.upsert(info, float(ttl))
-    if live is None or live.epoch != info.epoch:
+    if live is not None and live.epoch == info.epoch and live.role != info.role:
+        log.info("node_role_changed", node_id=info.node_id, old=live.role, new=info.role)
+    elif live is None or live.epoch != info.epoch:
         log.info(
             "node_registered",
             node_id=info.node_id,

@@ -25,7 +25,8 @@ SERVING_ROLES = ("decode", "unified")
 
 class Router:
     """A request goes to a serving node (SERVING_ROLES) of its `model`, a handoff to a prefill
-    node of the decode node's fingerprint."""
+    node of the decode node's fingerprint. A node that drains (its heartbeat says so, or this
+    router is moving it to another role: `moving`) gets nothing new."""
 
     def __init__(self, peers: PeerSet, index: PrefixIndex | None = None) -> None:
         self.peers = peers
@@ -33,6 +34,10 @@ class Router:
         # requests this router has open on each node (its own view; loads come by heartbeat)
         self.in_flight: Counter[str] = Counter()
         self._routed: Counter[str] = Counter()  # prefill routes, a tie-breaker
+        self.moving: set[str] = set()  # nodes this router's autoscaler is changing the role of
+
+    def _open(self, n: NodeInfo) -> bool:
+        return not n.load.get("draining") and n.node_id not in self.moving
 
     def models(self) -> list[str]:
         """The served model names of the live serving nodes."""
@@ -49,7 +54,7 @@ class Router:
         return [n for n in self.peers.live() if n.role in SERVING_ROLES]
 
     def pick_node(self, model: str, exclude: set[str] = frozenset()) -> NodeInfo | None:
-        nodes = [n for n in self.serving_nodes(model) if n.node_id not in exclude]
+        nodes = [n for n in self.serving_nodes(model) if n.node_id not in exclude and self._open(n)]
         if not nodes:
             return None
         return min(nodes, key=lambda n: (self._load(n), n.node_id))
@@ -64,7 +69,7 @@ class Router:
     def pick_prefill(self, fingerprint: str, keys: list[bytes]) -> PrefillRoute | None:
         """The prefill node that was sent the longest prefix of `keys`, then the least loaded;
         the keys are then noted for it (its prefix cache and the shared store will hold them)."""
-        nodes = self.peers.live("prefill", fingerprint)
+        nodes = [n for n in self.peers.live("prefill", fingerprint) if self._open(n)]
         self.index.forget({n.node_id for n in self.peers.live("prefill")})
         if not nodes:
             return None

@@ -30,6 +30,9 @@ COMMANDS = {
     ),
     "drain": AdminCommand("POST", "/drain", "stop admitting requests (503); running ones finish"),
     "resume": AdminCommand("POST", "/resume", "admit requests again"),
+    "set-role": AdminCommand(
+        "POST", "/role", "prefill / decode node: drain the current role, switch, register again"
+    ),
 }
 
 
@@ -41,6 +44,8 @@ def add_admin_arguments(p: argparse.ArgumentParser) -> None:
         if name == "set-intervals":
             cmd.add_argument("--stats", type=int, help="steps between expert-load samples")
             cmd.add_argument("--rebalance", type=int, help="steps between placements (0: off)")
+        if name == "set-role":
+            cmd.add_argument("role", choices=("prefill", "decode"))
 
 
 async def call(socket_path: str, command: str, body: dict | None = None) -> tuple[int, dict]:
@@ -64,6 +69,8 @@ def run_admin(args: argparse.Namespace) -> int:
             for k, v in (("stats_interval", args.stats), ("rebalance_interval", args.rebalance))
             if v is not None
         }
+    if args.admin_command == "set-role":
+        body = {"role": args.role}
     try:
         status, answer = asyncio.run(call(args.socket, args.admin_command, body))
     except (aiohttp.ClientError, OSError) as e:

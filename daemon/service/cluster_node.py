@@ -1,5 +1,5 @@
-"""This daemon as a cluster node: its NodeInfo (fingerprint, address, capacity) and its load,
-read from the engine for each heartbeat."""
+"""This daemon as a cluster node: its model fingerprint, its NodeInfo (fingerprint, address,
+capacity) and its load, read from the engine for each heartbeat."""
 
 from __future__ import annotations
 
@@ -14,20 +14,24 @@ from daemon.loop.engine import Engine
 from daemon.models.loader import read_config
 
 
-async def local_node(
+async def fingerprint_of(engine: Engine, model_dir: Path) -> str:
+    """The model and KV layout's fingerprint; it reads files: in a thread."""
+    layout = kv_layout(engine.kv.groups)
+    return await asyncio.to_thread(
+        lambda: model_fingerprint(model_dir, read_config(model_dir), layout)
+    )
+
+
+def local_node(
     cfg: ClusterConfig,
     engine: Engine,
     served_name: str,
-    model_dir: Path,
+    fingerprint: str,
     host: str,
     port: int,
     max_num_seqs: int,
 ) -> NodeInfo:
-    """`port`: the one bound (the settings may say 0). The fingerprint reads files: in a thread."""
-    layout = kv_layout(engine.kv.groups)
-    fingerprint = await asyncio.to_thread(
-        lambda: model_fingerprint(model_dir, read_config(model_dir), layout)
-    )
+    """`port`: the one bound (the settings may say 0)."""
     return NodeInfo(
         node_id=node_id(cfg, port),
         role=cast(Role, cfg.role),

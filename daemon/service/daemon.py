@@ -14,23 +14,28 @@ import structlog
 import uvloop
 
 from daemon.api.http.admin import bind_admin, start_admin
+from daemon.api.http.cluster_autoscale import RouterAutoscaler
+from daemon.api.http.cluster_handoff import HandoffConfig
 from daemon.api.http.cluster_router import create_router_app
 from daemon.api.http.cluster_state import RouterState
 from daemon.api.http.server import bind_tcp, bound_port, create_app, start_server
 from daemon.api.http.state import STATE, ApiState
 from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
-from daemon.cluster.announce import Announcer
-from daemon.cluster.config import advertise_url
+from daemon.cluster.announce import Announcer, Load
+from daemon.cluster.autoscale import Autoscaler
+from daemon.cluster.config import advertise_url, autoscale_targets
 from daemon.cluster.discovery import announcer, peer_feed, registers
+from daemon.cluster.live_role import RoleChanger
 from daemon.cluster.peers import PeerSet
 from daemon.cluster.registry_routes import add_registry_routes
 from daemon.cluster.router import Router
+from daemon.cluster.slo_window import SloWindow
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
-from daemon.service.cluster_node import engine_load, local_node
+from daemon.service.cluster_node import engine_load, fingerprint_of, local_node
 from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
@@ -81,7 +86,24 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     model_dir = model_path(engine_cfg)  # built: the demo's checkpoint exists
     demo = is_demo(read_config(model_dir))
     logs.add_secret(server_cfg.api_key)
-    handoff = await handoff_config(settings.cluster, engine, model_dir, server_cfg.api_key)
+    logs.add_secret(server_cfg.admin_token)
+    cluster = settings.cluster
+    in_a_cluster = registers(cluster) or cluster.role in ("prefill", "decode")
+    fingerprint = await fingerprint_of(engine, model_dir) if in_a_cluster else ""
+    handoff = handoff_config(cluster, fingerprint, server_cfg.api_key)
+    port = socks[0].getsockname()[1]  # the one bound (the settings may say 0)
+    announce: Announcer | None = None
+    node = None
+    if registers(cluster):
+        node = local_node(
+            cluster, engine, name, fingerprint, server_cfg.host, port, engine_cfg.max_num_seqs
+        )
+        announce = announcer(cluster, node, _load(engine, handoff), server_cfg.api_key)
+    role_change = (
+        RoleChanger(handoff.role, announce, cluster.role_drain_timeout_s)
+        if handoff is not None
+        else None
+    )
     app = create_app(
         engine,
         name,
@@ -90,25 +112,13 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         demo=demo,
         model_dir=model_dir,
         handoff=handoff,
+        role_change=role_change,
     )
     add_registry_routes(app, PeerSet())  # any node can be a seed peer others register with
     runner = await start_server(app, server_cfg, socks)
     host = f"[{server_cfg.host}]" if ":" in server_cfg.host else server_cfg.host  # IPv6
     url = f"http://{host}:{bound_port(runner)}/v1"
-    announce: Announcer | None = None
-    if registers(settings.cluster):
-        node = await local_node(
-            settings.cluster,
-            engine,
-            name,
-            model_dir,
-            server_cfg.host,
-            bound_port(runner),
-            engine_cfg.max_num_seqs,
-        )
-        announce = announcer(
-            settings.cluster, node, lambda: engine_load(engine), server_cfg.api_key
-        )
+    if announce is not None and node is not None:
         await announce.start()
         log.info(
             "cluster_node",
@@ -116,10 +126,12 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
             role=node.role,
             advertise_url=node.url,
             fingerprint=node.fingerprint[:16],
-            discovery=settings.cluster.discovery,
-            peers=settings.cluster.peers,
+            discovery=cluster.discovery,
+            peers=cluster.peers,
         )
-    admin = await start_admin(app[STATE], admin_sock) if admin_sock is not None else None
+    admin = (
+        await start_admin(app[STATE], admin_sock, role_change) if admin_sock is not None else None
+    )
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
     log.info(
@@ -172,6 +184,7 @@ async def serve_router(settings: Settings) -> int:
     socks = bind_tcp(server_cfg.host, server_cfg.port)
     port = socks[0].getsockname()[1]  # the one bound (the settings may say 0)
     logs.add_secret(server_cfg.api_key)
+    logs.add_secret(server_cfg.admin_token)
     peers = PeerSet()
     state = RouterState(
         Router(peers),
@@ -179,6 +192,7 @@ async def serve_router(settings: Settings) -> int:
         lease_ms=int(cluster.handoff_timeout_s * 1000),
         created=int(time.time()),
         api_key=server_cfg.api_key,
+        slo=SloWindow(cluster.autoscale_window_s),
     )
     app = create_router_app(
         state, server_cfg.max_body_bytes, lambda app: add_registry_routes(app, peers)
@@ -187,15 +201,34 @@ async def serve_router(settings: Settings) -> int:
     feed = peer_feed(cluster, peers)  # etcd's nodes; over HTTP they register on the app
     if feed is not None:
         await feed.start()
+    scaling = None
+    if cluster.autoscale and server_cfg.admin_token:  # the settings' check asks for both
+        scaler = RouterAutoscaler(
+            state,
+            Autoscaler(autoscale_targets(cluster)),
+            cluster.autoscale_window_s,
+            server_cfg.admin_token,
+            cluster.role_drain_timeout_s,
+        )
+        scaling = asyncio.create_task(scaler.run(), name="autoscaler")
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), _reopen_logs)
-    log.info("serving", role="router", url=state.url, systemd=notifier.enabled)
+    log.info(
+        "serving",
+        role="router",
+        url=state.url,
+        systemd=notifier.enabled,
+        autoscale=cluster.autoscale,
+    )
     notifier.ready(f"routing at {state.url}")
     notifier.start_watchdog()
     try:
         await signals.stop.wait()
         notifier.stopping("router stopping")
     finally:
+        if scaling is not None:
+            scaling.cancel()
+            await asyncio.gather(scaling, return_exceptions=True)
         signals.remove()
         if feed is not None:
             await feed.stop()
@@ -203,6 +236,14 @@ async def serve_router(settings: Settings) -> int:
         await notifier.close()
     log.info("stopped")
     return 0
+
+
+def _load(engine: Engine, handoff: HandoffConfig | None) -> Load:
+    """The engine's load for heartbeats, and whether a role change drains this node."""
+    if handoff is None:
+        return lambda: engine_load(engine)
+    live = handoff.role
+    return lambda: engine_load(engine) | live.load()
 
 
 class _StopStarting(BaseException):

@@ -171,6 +171,48 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         "(conditional disaggregation: short prompts need not wait behind a prefill node's long "
         f"ones; default {_default(ClusterConfig, 'handoff_min_tokens')}: always hand off)",
     )
+    c.add_argument(
+        "--role-drain-timeout-s",
+        type=float,
+        default=S,
+        help="a live role change (admin set-role) not drained by then is undone (default "
+        f"{_default(ClusterConfig, 'role_drain_timeout_s')})",
+    )
+    add_autoscale_flags(p)
+
+
+_AUTOSCALE_HELP = {
+    "window_s": "the p99s are taken over this window; one decision each window",
+    "ttft_p99_s": "the p99 TTFT target (drives prefill capacity)",
+    "tpot_p99_s": "the p99 TPOT target (drives decode capacity, with KV utilisation)",
+    "kv_util": "decode KV utilisation counted as at target",
+    "queue_per_node": "waiting requests per node counted as at target",
+    "up": "pressure (measured / target) above which a side needs a node",
+    "down": "pressure below which a side can give a node (the hysteresis band's floor)",
+    "node_dwell_s": "a node that moved keeps its new role at least this long",
+    "global_dwell_s": "no node moves within this of the last move",
+}
+
+
+def add_autoscale_flags(p: argparse.ArgumentParser) -> None:
+    """[cluster] autoscale_*: the router's P:D autoscaler; it changes nodes' roles through
+    their admin HTTP call, with the router's server.admin_token (DEEPINFER_SERVER_ADMIN_TOKEN)."""
+    a = p.add_argument_group("P:D autoscaling (--role router)")
+    a.add_argument(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="move nodes between prefill and decode on SLO headroom (default off)",
+    )
+    for key, text in _AUTOSCALE_HELP.items():
+        name = f"autoscale_{key}"
+        a.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=float,
+            default=S,
+            help=f"{text} (default {_default(ClusterConfig, name)})",
+        )
 
 
 def _url_list(text: str) -> list[str]:

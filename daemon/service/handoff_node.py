@@ -1,32 +1,25 @@
 """A prefill or decode daemon's part in KV handoffs: its model fingerprint and epoch (as it
-registers them), the routers it takes routed requests from, the handoff's timeout."""
+registers them), its live role, the routers it takes routed requests from, the handoff's
+timeout."""
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
+from typing import cast
 
 from daemon.api.http.cluster_handoff import HandoffConfig
 from daemon.cluster.config import ClusterConfig
-from daemon.cluster.fingerprint import kv_layout, model_fingerprint
-from daemon.cluster.node import PROCESS_EPOCH
-from daemon.loop.engine import Engine
-from daemon.models.loader import read_config
+from daemon.cluster.live_role import LiveRole
+from daemon.cluster.node import PROCESS_EPOCH, Role
 
 
-async def handoff_config(
-    cluster: ClusterConfig, engine: Engine, model_dir: Path, api_key: str | None
+def handoff_config(
+    cluster: ClusterConfig, fingerprint: str, api_key: str | None
 ) -> HandoffConfig | None:
-    """None for a unified node (it takes no part in handoffs). The fingerprint reads files: in
-    a thread."""
+    """None for a unified node (it takes no part in handoffs)."""
     if cluster.role not in ("prefill", "decode"):
         return None
-    layout = kv_layout(engine.kv.groups)
-    fingerprint = await asyncio.to_thread(
-        lambda: model_fingerprint(model_dir, read_config(model_dir), layout)
-    )
     return HandoffConfig(
-        cluster.role,
+        LiveRole(cast(Role, cluster.role)),
         fingerprint,
         PROCESS_EPOCH,
         routers=tuple(url.rstrip("/") for url in cluster.routers or cluster.peers),

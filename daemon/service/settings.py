@@ -20,7 +20,13 @@ from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
 from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
-from daemon.cluster.config import NODE_ID, ClusterConfig, base_url, etcd_endpoint
+from daemon.cluster.config import (
+    NODE_ID,
+    ClusterConfig,
+    autoscale_targets,
+    base_url,
+    etcd_endpoint,
+)
 from daemon.cluster.node import ROLES
 from daemon.kv.swa_policy import POLICIES
 from daemon.kv.traffic import TrafficClasses
@@ -280,6 +286,9 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError("cluster.handoff_timeout_s", "must be positive")
     if c.handoff_min_tokens < 2:
         raise ConfigError("cluster.handoff_min_tokens", "must be at least 2 (tokens)")
+    if c.role_drain_timeout_s <= 0:
+        raise ConfigError("cluster.role_drain_timeout_s", "must be positive")
+    _check_autoscale(c, sv)
     if c.role in ("prefill", "decode") and etcd is None and not c.peers:
         raise ConfigError(
             "cluster.peers",
@@ -291,6 +300,23 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError(
             "cluster.advertise_url",
             f"server.host {sv.host!r} is no address peers can reach: give --advertise-url",
+        )
+
+
+def _check_autoscale(c: ClusterConfig, sv: ServerConfig) -> None:
+    try:
+        autoscale_targets(c)
+    except ValueError as err:
+        raise ConfigError("cluster.autoscale", str(err)) from None
+    if c.autoscale_window_s <= 0:
+        raise ConfigError("cluster.autoscale_window_s", "must be positive")
+    if c.autoscale and c.role != "router":
+        raise ConfigError("cluster.autoscale", "only a router (--role router) autoscales")
+    if c.autoscale and not sv.admin_token:
+        raise ConfigError(
+            "server.admin_token",
+            "the autoscaler changes roles through the nodes' admin calls: set the token "
+            "(DEEPINFER_SERVER_ADMIN_TOKEN) here and on the nodes",
         )
 
 

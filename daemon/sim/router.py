@@ -54,7 +54,7 @@ class PairRouter:
         for n in nodes:
             self.peers.upsert(n.info(), math.inf)
         index = {n.node_id: i for i, n in enumerate(nodes)}
-        decode = self.router.pick_decode(MODEL)
+        decode = self.router.pick_node(MODEL)
         if decode is None:
             return None
         prefill = self.router.pick_prefill(FINGERPRINT, keys)

@@ -1,6 +1,7 @@
 """The admin socket: a Unix-domain socket (mode 0600, so only the daemon's user and root can
 connect) served by aiohttp, for live operations: status, expert load, rebalance now, set the
-MoE intervals, drain and resume. `deepinfer admin ...` is its client."""
+MoE intervals, drain and resume, a prefill / decode node's role change. `deepinfer admin ...`
+is its client."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import orjson
 from aiohttp import web
 
 from daemon.api.codecs.params import get_int
+from daemon.api.http.admin_http import change_role
 from daemon.api.http.errors import ApiError, bad_request, error_middleware
 from daemon.api.http.state import ApiState
 from daemon.build.startup import StartupError, failing_as
+from daemon.cluster.live_role import RoleChanger
 
 routes = web.RouteTableDef()
 ADMIN: web.AppKey[ApiState] = web.AppKey("deepinfer_admin", ApiState)
+ROLE_CHANGE: web.AppKey[RoleChanger | None] = web.AppKey("deepinfer_admin_role_change")
 PROBE_TIMEOUT_S = 1.0  # how long a socket left at the admin path gets to answer
 
 
@@ -103,6 +107,12 @@ async def resume(request: web.Request) -> web.Response:
     return _json({"ok": True, "draining": False})
 
 
+@routes.post("/role")
+async def set_role(request: web.Request) -> web.Response:
+    """{"role": "prefill" | "decode"}: drain the current role, switch, register again."""
+    return _json(await change_role(request.app[ROLE_CHANGE], await _body(request)))
+
+
 async def _body(request: web.Request) -> dict:
     raw = await request.read()
     try:
@@ -114,9 +124,10 @@ async def _body(request: web.Request) -> dict:
     return body
 
 
-def create_admin_app(state: ApiState) -> web.Application:
+def create_admin_app(state: ApiState, role_change: RoleChanger | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ADMIN] = state
+    app[ROLE_CHANGE] = role_change
     app.router.add_routes(routes)
     return app
 
@@ -167,9 +178,11 @@ def _remove_stale(path: str) -> None:
     os.unlink(path)
 
 
-async def start_admin(state: ApiState, sock: socket.socket) -> web.AppRunner:
+async def start_admin(
+    state: ApiState, sock: socket.socket, role_change: RoleChanger | None = None
+) -> web.AppRunner:
     """Serve the admin app on `sock` (from `bind_admin`)."""
-    runner = web.AppRunner(create_admin_app(state), access_log=None)
+    runner = web.AppRunner(create_admin_app(state, role_change), access_log=None)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner

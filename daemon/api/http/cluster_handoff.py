@@ -1,11 +1,14 @@
 """A node's part in KV handoffs: on a prefill node `POST /cluster/v1/prefill` (compute a prompt,
 stream its KV state in the wire format); on a decode node the KVSource a routed request's
-engine job fetches its prompt's KV with."""
+engine job fetches its prompt's KV with. Both roles serve both, each admitted by the node's
+live role (it can change: `cluster/live_role.py`) and counted while it runs."""
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -16,6 +19,7 @@ from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import ApiError, bad_request, unavailable
 from daemon.api.http.state import get_state, read_json_object
 from daemon.cluster.kv_source import PREFILL_PATH, HttpKVSource
+from daemon.cluster.live_role import LiveRole
 from daemon.cluster.wire import CONTENT_TYPE, HandoffMeta, encode, prefix_hash
 from daemon.loop.engine import RequestRejected
 from daemon.loop.handoff import HandoffFailed, KVSource
@@ -30,10 +34,10 @@ MAX_LEASE_MS = 3_600_000
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    """This node in handoffs: its role, model fingerprint and epoch, the routers it takes
+    """This node in handoffs: its live role, model fingerprint and epoch, the routers it takes
     routed requests from (its --peers), the fetch's whole timeout, the key peers want."""
 
-    role: str
+    role: LiveRole
     fingerprint: str
     epoch: int
     routers: tuple[str, ...] = ()
@@ -47,11 +51,29 @@ SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("deepinfer_handoff_sessi
 
 def register(app: web.Application, cfg: HandoffConfig) -> None:
     app[HANDOFF] = cfg
-    if cfg.role == "prefill":
-        app.router.add_post(PREFILL_PATH, prefill)
-    if cfg.role == "decode":
-        app.on_startup.append(_open_session)
-        app.on_cleanup.append(_close_session)
+    app.router.add_post(PREFILL_PATH, prefill)
+    app.on_startup.append(_open_session)
+    app.on_cleanup.append(_close_session)
+
+
+@contextmanager
+def _admitted(cfg: HandoffConfig, role: str) -> Iterator[None]:
+    live = cfg.role
+    if not live.admits(role):
+        now = f"{live.role}, draining" if live.draining else live.role
+        raise unavailable(f"this node takes no {role} work now (it is {now})", 1)
+    with live.serving(role):
+        yield
+
+
+def routed_work(request: web.Request) -> AbstractContextManager[None]:
+    """A request a router sent (its header names one) is decode work: admitted while this
+    node is a decode node and not draining (else a 503 the router retries elsewhere), counted
+    while it runs. Other requests pass as they are."""
+    cfg = request.app.get(HANDOFF)
+    if cfg is None or ROUTER_HEADER not in request.headers:
+        return nullcontext()
+    return _admitted(cfg, "decode")
 
 
 async def _open_session(app: web.Application) -> None:
@@ -70,7 +92,13 @@ def stale_epoch(epoch: object, own: int) -> ApiError:
 
 async def prefill(request: web.Request) -> web.StreamResponse:
     """{"request_id", "prompt_ids", "cache_salt" (hex), "traffic_class", "epoch", "prefix_hash",
-    "lease_ms"} -> the KV state of positions [0, len - 1) in the wire format."""
+    "lease_ms"} -> the KV state of positions [0, len - 1) in the wire format. 503 while this
+    node is no prefill node (or drains its prefill role)."""
+    with _admitted(request.app[HANDOFF], "prefill"):
+        return await _prefill(request)
+
+
+async def _prefill(request: web.Request) -> web.StreamResponse:
     state, cfg = get_state(request), request.app[HANDOFF]
     body = await read_json_object(request)
     start = time.time()
@@ -142,7 +170,7 @@ def kv_source_for(request: web.Request, jobs: int, cache: CacheOptions) -> KVSou
     """A decode node's KVSource for a request the router sent (its headers name the router and
     the handoff); None for others, and for several jobs (n > 1: each computes its prompt)."""
     cfg = request.app.get(HANDOFF)
-    if cfg is None or cfg.role != "decode" or jobs != 1:
+    if cfg is None or cfg.role.role != "decode" or jobs != 1:
         return None
     router = request.headers.get(ROUTER_HEADER, "").rstrip("/")
     handoff_id = request.headers.get(HANDOFF_HEADER, "")

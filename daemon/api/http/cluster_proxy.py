@@ -7,6 +7,7 @@ at once."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from daemon.api.http.errors import (
 )
 from daemon.api.http.state import read_json_object
 from daemon.cluster.node import NodeInfo
+from daemon.cluster.stream_timing import StreamTiming
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +67,7 @@ class _Failed:
 
 async def proxy(request: web.Request) -> web.StreamResponse:
     state = request.app[ROUTER]
+    started = time.monotonic()
     body = await read_json_object(request)
     model = body.get("model")
     if not isinstance(model, str):
@@ -84,7 +87,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         tried.add(node.node_id)
         state.router.in_flight[node.node_id] += 1
         try:
-            result = await _attempt(request, state, node, raw)
+            result = await _attempt(request, state, node, raw, started)
         finally:
             state.router.in_flight[node.node_id] -= 1
         if not isinstance(result, _Failed):
@@ -106,7 +109,7 @@ def _no_node(state: RouterState, model: str) -> ApiError:
 
 
 async def _attempt(
-    request: web.Request, state: RouterState, node: NodeInfo, raw: bytes
+    request: web.Request, state: RouterState, node: NodeInfo, raw: bytes, started: float
 ) -> web.StreamResponse | _Failed:
     headers = {k: v for k in _FORWARDED if (v := request.headers.get(k)) is not None}
     headers |= {ROUTER_HEADER: state.url, HANDOFF_HEADER: uuid.uuid4().hex}
@@ -126,7 +129,8 @@ async def _attempt(
             if upstream.status >= 500:
                 return _Failed(f"status_{upstream.status}", upstream.status, body, returned)
             return web.Response(status=upstream.status, body=body, headers=returned)
-        return await _relay_stream(request, state, node, upstream, returned)
+        timing = StreamTiming(request.path, started)
+        return await _relay_stream(request, state, node, upstream, returned, timing)
     finally:
         if upstream.content.at_eof():
             upstream.release()
@@ -152,9 +156,11 @@ async def _relay_stream(
     node: NodeInfo,
     upstream: aiohttp.ClientResponse,
     returned: dict[str, str],
+    timing: StreamTiming,
 ) -> web.StreamResponse | _Failed:
     """Whole events only (up to a blank line), so that an error event never lands inside one.
-    A failed write (the client gone) raises; a failed read (the node) ends with an error event."""
+    A failed write (the client gone) raises; a failed read (the node) ends with an error event.
+    A stream relayed to its end has its TTFT and TPOT noted (the autoscaler's inputs)."""
     try:
         chunk = await _while_live(state, node, upstream.content.readany())
     except _NODE_ERRORS as e:
@@ -166,6 +172,7 @@ async def _relay_stream(
         pending += chunk
         cut = pending.rfind(b"\n\n") + 2
         if cut > 1:
+            timing.feed(pending[:cut], time.monotonic())
             await response.write(pending[:cut])
             pending = pending[cut:]
         try:
@@ -175,6 +182,9 @@ async def _relay_stream(
     if pending:
         return await _broken(request, state, node, response, "partial_event")
     await response.write_eof()
+    ttft = timing.ttft_s()
+    if ttft is not None:
+        state.slo.add(time.monotonic(), ttft, timing.tpot_s())
     return response
 
 

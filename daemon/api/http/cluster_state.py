@@ -1,5 +1,5 @@
 """What the router's handlers share: the routing choices, the client session to the nodes, the
-router's own URL and lease for handoffs, and its metrics."""
+router's own URL and lease for handoffs, its metrics and its recent stream latencies."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from daemon.cluster.router import Router
+from daemon.cluster.slo_window import SloWindow
 
 
 class RouterMetrics:
@@ -48,6 +49,8 @@ class RouterState:
     created: int  # unix time the router started
     api_key: str | None = field(default=None, repr=False)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    # the proxied streams' TTFT / TPOT (the autoscaler's latency inputs)
+    slo: SloWindow = field(default_factory=lambda: SloWindow(10.0))
     session: aiohttp.ClientSession = field(init=False)  # made on the app's startup
 
 

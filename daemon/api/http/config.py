@@ -13,6 +13,9 @@ class ServerConfig:
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM
     api_key: str | None = None  # when set, requests need `Authorization: Bearer` or `x-api-key`
     admin_socket: str | None = None  # Unix socket for live administration (mode 0600)
+    # the bearer token of the admin HTTP calls (POST /admin/v1/role); unset: no such routes.
+    # A router sends it to its nodes when its autoscaler changes their role
+    admin_token: str | None = None
     max_waiting: int = 0  # answer 429 once this many requests wait for the engine (0 = off)
     # DeepSeek-V4, a request that does not say whether to think: auto (Messages no, as
     # Anthropic's API; Chat Completions and Responses yes, as DeepSeek's) | on | off

@@ -10,7 +10,7 @@ from aiohttp import web
 from daemon.api.codecs.base import Answer, Call, Event
 from daemon.api.http import access
 from daemon.api.http.cache_options import CacheOptions
-from daemon.api.http.cluster_handoff import kv_source_for
+from daemon.api.http.cluster_handoff import kv_source_for, routed_work
 from daemon.api.http.errors import anthropic_error_body, is_anthropic, unavailable
 from daemon.api.http.fanout import FanOut, submit_all
 from daemon.api.http.sse import SSEWriter
@@ -25,14 +25,15 @@ async def respond(
 ) -> web.StreamResponse:
     answer = call.answer()
     try:
-        source = kv_source_for(request, len(call.jobs), cache)
-        reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source)
-        try:
-            if call.stream:
-                return await _stream(request, engine, reqs, call.id, answer)
-            return await _whole(engine, reqs, answer)
-        finally:
-            access.note(request, call.id, reqs, call.stream)
+        with routed_work(request):  # a role change waits for what it counts
+            source = kv_source_for(request, len(call.jobs), cache)
+            reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source)
+            try:
+                if call.stream:
+                    return await _stream(request, engine, reqs, call.id, answer)
+                return await _whole(engine, reqs, answer)
+            finally:
+                access.note(request, call.id, reqs, call.stream)
     finally:
         answer.close()
 

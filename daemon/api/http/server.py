@@ -18,6 +18,7 @@ from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCode
 from daemon.api.codecs.recipe.conversation import ConversationCodec
 from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http import (
+    admin_http,
     cluster_handoff,
     completions,
     conversations,
@@ -35,6 +36,7 @@ from daemon.api.http.errors import counting_errors
 from daemon.api.http.state import STATE, ApiState, Codecs
 from daemon.build.demo import DEMO_NAME
 from daemon.build.startup import failing_as
+from daemon.cluster.live_role import RoleChanger
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
 
@@ -61,10 +63,12 @@ def create_app(
     demo: bool | None = None,
     model_dir: Path | None = None,
     handoff: HandoffConfig | None = None,
+    role_change: RoleChanger | None = None,
 ) -> web.Application:
     """`metrics`: the engine's request observer (what /metrics serves); `model_dir` (the
     checkpoint) supplies the chat template of non-DeepSeek families; `handoff`: a prefill or
-    decode node's part in KV handoffs."""
+    decode node's part in KV handoffs; `role_change`: its live role change (the admin HTTP
+    call's, served when `server_cfg.admin_token` is set)."""
     store = ResponseStore(
         server_cfg.response_store_max_count,
         int(server_cfg.response_store_memory_gb * 2**30),
@@ -93,6 +97,8 @@ def create_app(
         endpoint.register(app)
     if handoff is not None:
         cluster_handoff.register(app, handoff)
+    if server_cfg.admin_token:
+        admin_http.register(app, server_cfg.admin_token, role_change)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stopping)
