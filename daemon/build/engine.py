@@ -13,6 +13,7 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
+from daemon.build.images import image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
 from daemon.build.mtp import state_bytes as mtp_state_bytes
@@ -143,6 +144,7 @@ def build_engine(
         moe=moe,
         observer=metrics,
         handoff_timeout_s=handoff_timeout_s,
+        images=image_embeddings(cfg, model, device, hf_config, dtype),
     )
     if metrics is not None:
         metrics.collect_engine(engine)

@@ -87,12 +87,12 @@ def make_llava_checkpoint(
     CLIP image processor its prompts need; `with_tokenizer`: the DeepSeek tokenizer, whose
     image token is `image_token_id` then."""
     from transformers import (
-        CLIPImageProcessor,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
     )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     if with_tokenizer:
         vocab_size = 129280
@@ -129,7 +129,7 @@ def make_llava_checkpoint(
     model = LlavaForConditionalGeneration(config).eval()
     model.save_pretrained(path)
     size = LLAVA_IMAGE_SIZE
-    CLIPImageProcessor(
+    CLIPImageProcessorPil(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
     ).save_pretrained(path)
     if with_tokenizer:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.api.codecs.images import SCHEMES as IMAGE_SCHEMES
 from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
@@ -204,12 +205,24 @@ def check(s: Settings) -> None:
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)
+    for scheme in sv.image_url_schemes.split(","):
+        _choice("server.image_url_schemes", scheme.strip(), IMAGE_SCHEMES)
+    for key in (
+        "image_max_count",
+        "image_max_bytes",
+        "image_max_total_bytes",
+        "image_max_pixels",
+        "image_fetch_timeout_s",
+    ):
+        if getattr(sv, key) <= 0:
+            raise ConfigError(f"server.{key}", "must be positive")
     _choice("logging.format", lg.format, logs.FORMATS)
     for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(e, key) <= 0:
             raise ConfigError(f"engine.{key}", "must be positive")
     for key in (
         "host_cache_memory_gb",
+        "image_cache_memory_gb",
         "swa_cache_memory_gb",
         "kv_store_capacity_gb",
         "cpu_threads",
