@@ -60,11 +60,9 @@ def messages(url: str, text: str = TEXT) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = make_llava_checkpoint(
-        tmp_path_factory.mktemp("tiny-llava"), image_token_id=IMAGE_TOKEN, with_tokenizer=True
-    )
+def make_chat_llava(path: Path) -> Path:
+    """The tiny LLaVA with the DeepSeek tokenizer and a plain chat template."""
+    make_llava_checkpoint(path, image_token_id=IMAGE_TOKEN, with_tokenizer=True)
     cfg_path = path / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
@@ -72,12 +70,12 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(llava_dir: Path) -> Iterator[object]:
+def server(llava_chat_dir: Path) -> Iterator[object]:
     from daemon.service.live_server import LiveServer
 
     s = LiveServer(
         EngineConfig(
-            model=str(llava_dir),
+            model=str(llava_chat_dir),
             served_model_name=NAME,
             kv_cache_memory_gb=0.05,
             max_num_seqs=8,
@@ -104,21 +102,23 @@ def metric(server, name: str) -> float:
     return float(m.group(1))
 
 
-def reference_tokens(llava_dir: Path, image: bytes, n: int) -> list[int]:
+def reference_tokens(llava_chat_dir: Path, image: bytes, n: int) -> list[int]:
     """transformers' greedy tokens for the same prompt and image."""
     from PIL import Image
     from transformers import LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tok = TextTokenizer(llava_dir, {})
-    template = ChatTemplate.load(llava_dir, tok)
+    tok = TextTokenizer(llava_chat_dir, {})
+    template = ChatTemplate.load(llava_chat_dir, tok)
     assert template is not None
     ids = template.encode({"messages": messages("x")}, image_text=tok.token_text(IMAGE_TOKEN))
     i = ids.index(IMAGE_TOKEN)
     ids = ids[:i] + [IMAGE_TOKEN] * IMAGE_TOKENS + ids[i + 1 :]
-    processor = CLIPImageProcessorPil.from_pretrained(llava_dir)
+    processor = CLIPImageProcessorPil.from_pretrained(llava_chat_dir)
     pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
-    model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(
+        llava_chat_dir, dtype=torch.float32
+    ).eval()
     with torch.inference_mode():
         out = model.generate(
             input_ids=torch.tensor([ids]),
@@ -141,7 +141,7 @@ def chat_tokens(client: OpenAI, url: str, n: int = 4):
     return r, [t.token for t in r.choices[0].logprobs.content]
 
 
-def test_output_equals_transformers_and_image_encoded_once(client, server, llava_dir):
+def test_output_equals_transformers_and_image_encoded_once(client, server, llava_chat_dir):
     image = png(1)
     encoded = metric(server, "images_encoded")
     hits = metric(server, "image_cache_hits")
@@ -152,26 +152,26 @@ def test_output_equals_transformers_and_image_encoded_once(client, server, llava
     assert tokens_again == tokens
     assert metric(server, "images_encoded") == encoded + 1  # the second one from the cache
     assert metric(server, "image_cache_hits") == hits + 1
-    tok = TextTokenizer(llava_dir, {})
-    expected = reference_tokens(llava_dir, image, 4)
+    tok = TextTokenizer(llava_chat_dir, {})
+    expected = reference_tokens(llava_chat_dir, image, 4)
     assert tokens == [tok.token_text(t) for t in expected]
 
 
-def test_different_image_same_text_shares_only_the_text(client, server, llava_dir):
+def test_different_image_same_text_shares_only_the_text(client, server, llava_chat_dir):
     """Same text, another image: the prefix cache may give only the blocks before the image
     (were the image not in the keys, it would give the image's blocks too: wrong KV)."""
     a, b = png(2), png(3)
     first, tokens_a = chat_tokens(client, data_url(a))
     second, tokens_b = chat_tokens(client, data_url(b))
-    tok = TextTokenizer(llava_dir, {})
-    template = ChatTemplate.load(llava_dir, tok)
+    tok = TextTokenizer(llava_chat_dir, {})
+    template = ChatTemplate.load(llava_chat_dir, tok)
     assert template is not None
     ids = template.encode({"messages": messages("x")}, image_text=tok.token_text(IMAGE_TOKEN))
     image_start = ids.index(IMAGE_TOKEN)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached <= image_start  # the text before the image, from the cache
     assert cached == image_start // 16 * 16
-    assert tokens_b == [tok.token_text(t) for t in reference_tokens(llava_dir, b, 4)]
+    assert tokens_b == [tok.token_text(t) for t in reference_tokens(llava_chat_dir, b, 4)]
     again, _ = chat_tokens(client, data_url(a))  # the same image again: its blocks are found
     assert again.usage.prompt_tokens_details.cached_tokens > image_start
 

@@ -13,7 +13,7 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
-from daemon.build.images import image_embeddings
+from daemon.build.images import RemoteEncoder, image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
 from daemon.build.mtp import state_bytes as mtp_state_bytes
@@ -54,12 +54,16 @@ KV_LAYOUT = "deepinfer-kv-1"  # bump when a cache's block layout changes: old st
 
 
 def build_engine(
-    cfg: EngineConfig, metrics: EngineMetrics | None = None, handoff_timeout_s: float = 30.0
+    cfg: EngineConfig,
+    metrics: EngineMetrics | None = None,
+    handoff_timeout_s: float = 30.0,
+    remote_images: RemoteEncoder | None = None,
 ) -> tuple[Engine, str]:
     """The engine and the name it serves the model under; `metrics`: its request observer
     (what /metrics serves), None for none; `handoff_timeout_s`: the most a KV handoff from a
-    prefill node may take before the prompt is computed here. A model, device or KV budget that cannot serve
-    raises StartupError."""
+    prefill node may take before the prompt is computed here; `remote_images`: makes the
+    encoder a vision model's images go to (encoder nodes; None: its own tower). A model,
+    device or KV budget that cannot serve raises StartupError."""
     cfg = implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
         path = model_path(cfg)
@@ -144,7 +148,7 @@ def build_engine(
         moe=moe,
         observer=metrics,
         handoff_timeout_s=handoff_timeout_s,
-        images=image_embeddings(cfg, model, device, hf_config, dtype),
+        images=image_embeddings(cfg, model, device, hf_config, dtype, remote_images),
     )
     if metrics is not None:
         metrics.collect_engine(engine)

@@ -14,7 +14,8 @@ NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass
 class ClusterConfig:
     # unified: today's node on its own (registers only when given peers); prefill / decode: a
-    # disaggregated node that registers; router: no model, serves the APIs by proxy
+    # disaggregated node that registers; router: no model, serves the APIs by proxy; encoder:
+    # also serves a vision model's image embeddings to other nodes
     role: str = "unified"
     peers: list[str] = field(default_factory=list)  # registries (router, seed peers): base URLs
     discovery: str = "http"  # http (register with the peers) | etcd://HOST:PORT
@@ -22,6 +23,10 @@ class ClusterConfig:
     node_id: str | None = None  # default: <role>-<hostname>-<port>
     lease_s: float = 6.0  # a node whose lease lapses leaves the set; heartbeats every lease/3
     handoff_timeout_s: float = 30.0  # a KV handoff not done by then is recomputed locally
+    # encoder nodes (`--role encoder`: a vision model's tower for others) that encode this
+    # node's images, tried in turn; none: encoded here
+    image_encoders: list[str] = field(default_factory=list)
+    image_encode_timeout_s: float = 10.0  # per encoder tried
 
 
 def etcd_endpoint(discovery: str) -> tuple[str, int] | None:

@@ -177,7 +177,7 @@ class Engine:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = self._sweep_task = None
         if self.images is not None:
-            self.images.close()
+            await self.images.close()
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
         await asyncio.to_thread(self._executor.shutdown, True)  # EP: until every rank stops

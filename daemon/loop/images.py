@@ -42,11 +42,12 @@ class ImageSpan:
 class ImageEncoder(Protocol):
     """Turns preprocessed images into their embeddings; raises EncoderFailed when it cannot."""
 
-    async def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, image_tokens, hidden] host embeddings of `pixel_values` [images, 3, H, W]."""
+    async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
+        """[images, image_tokens, hidden] host embeddings of `pixel_values` [images, 3, H, W]
+        (`digests`: each image's content hash, for an encoder with a cache of its own)."""
         ...
 
-    def close(self) -> None: ...
+    async def close(self) -> None: ...
 
 
 class EncoderFailed(Exception):
@@ -61,16 +62,19 @@ class DeviceImageEncoder:
         self.model, self.device = model, device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision")
 
-    async def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._run, pixel_values)
 
     def _run(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            out = self.model.encode_images(pixel_values.to(self.device))
+        try:
+            with torch.inference_mode():
+                out = self.model.encode_images(pixel_values.to(self.device))
+        except (RuntimeError, ValueError) as e:  # e.g. images of a size the tower does not take
+            raise EncoderFailed(f"the vision tower failed: {e}") from None
         return out.float().cpu()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -128,7 +132,7 @@ class ImageEmbeddings:
         self._pending.update(futures)
         try:
             pixels = torch.stack([im.pixel_values for im in todo.values()])
-            out = await self.encoder.encode(pixels)
+            out = await self.encoder.encode(pixels, [im.digest for im in todo.values()])
         except BaseException as e:
             for fut in futures.values():
                 fut.set_exception(e if isinstance(e, EncoderFailed) else EncoderFailed(str(e)))
@@ -160,5 +164,5 @@ class ImageEmbeddings:
     def cached_bytes(self) -> int:
         return self._bytes
 
-    def close(self) -> None:
-        self.encoder.close()
+    async def close(self) -> None:
+        await self.encoder.close()

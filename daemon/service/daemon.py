@@ -31,6 +31,7 @@ from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
 from daemon.service.cluster_node import engine_load, local_node
+from daemon.service.encoder_node import remote_encoder
 from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
@@ -61,7 +62,10 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 unused.callback(Path(server_cfg.admin_socket).unlink, missing_ok=True)
             metrics = EngineMetrics()
             engine, name = build_engine(
-                engine_cfg, metrics, handoff_timeout_s=settings.cluster.handoff_timeout_s
+                engine_cfg,
+                metrics,
+                handoff_timeout_s=settings.cluster.handoff_timeout_s,
+                remote_images=remote_encoder(settings.cluster, server_cfg.api_key),
             )
             # restored first: past pop_all no _StopStarting could reach the `except` below
             # with the sockets already out of the stack
@@ -87,6 +91,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         demo=demo,
         model_dir=model_dir,
         handoff=handoff,
+        image_encoder=settings.cluster.role == "encoder",
     )
     add_registry_routes(app, PeerSet())  # any node can be a seed peer others register with
     runner = await start_server(app, server_cfg, socks)

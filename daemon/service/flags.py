@@ -134,7 +134,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         choices=ROLES,
         help="unified (default): a node on its own; prefill / decode: a disaggregated node that "
-        "registers with its peers; router: no model, serves the APIs through the nodes",
+        "registers with its peers; router: no model, serves the APIs through the nodes; encoder: "
+        "also serves a vision model's image embeddings to nodes given --image-encoders",
     )
     c.add_argument(
         "--peers",
@@ -155,6 +156,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="the base URL peers reach this node at (default http://HOST:PORT)",
     )
     c.add_argument("--node-id", default=S, help="default: <role>-<hostname>-<port>")
+    c.add_argument(
+        "--image-encoders",
+        default=S,
+        type=_url_list,
+        metavar="URL[,URL]",
+        help="encoder nodes (--role encoder) that encode this node's images, tried in turn",
+    )
+    c.add_argument("--image-encode-timeout-s", type=float, default=S)
     c.add_argument(
         "--lease-s",
         type=float,

@@ -290,6 +290,15 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError("cluster.lease_s", "must be at least 1 (seconds)")
     if c.handoff_timeout_s <= 0:
         raise ConfigError("cluster.handoff_timeout_s", "must be positive")
+    for url in c.image_encoders:
+        try:
+            base_url(url)
+        except ValueError as err:
+            raise ConfigError("cluster.image_encoders", str(err)) from None
+    if c.image_encoders and c.role in ("encoder", "router"):
+        raise ConfigError("cluster.image_encoders", f"a {c.role} node sends no images elsewhere")
+    if c.image_encode_timeout_s <= 0:
+        raise ConfigError("cluster.image_encode_timeout_s", "must be positive")
     if c.role in ("prefill", "decode") and etcd is None and not c.peers:
         raise ConfigError(
             "cluster.peers",

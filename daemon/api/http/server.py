@@ -19,6 +19,7 @@ from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCode
 from daemon.api.codecs.recipe.conversation import ConversationCodec
 from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http import (
+    cluster_encode,
     cluster_handoff,
     completions,
     conversations,
@@ -63,10 +64,12 @@ def create_app(
     demo: bool | None = None,
     model_dir: Path | None = None,
     handoff: HandoffConfig | None = None,
+    image_encoder: bool = False,
 ) -> web.Application:
     """`metrics`: the engine's request observer (what /metrics serves); `model_dir` (the
     checkpoint) supplies the chat template of non-DeepSeek families; `handoff`: a prefill or
-    decode node's part in KV handoffs."""
+    decode node's part in KV handoffs; `image_encoder`: serve image embeddings to other nodes
+    (`--role encoder`)."""
     store = ResponseStore(
         server_cfg.response_store_max_count,
         int(server_cfg.response_store_memory_gb * 2**30),
@@ -95,6 +98,8 @@ def create_app(
         endpoint.register(app)
     if handoff is not None:
         cluster_handoff.register(app, handoff)
+    if image_encoder:
+        cluster_encode.register(app)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stopping)
