@@ -172,8 +172,9 @@ def test_different_image_same_text_shares_only_the_text(client, server, llava_ch
     assert 0 < cached <= image_start  # the text before the image, from the cache
     assert cached == image_start // 16 * 16
     assert tokens_b == [tok.token_text(t) for t in reference_tokens(llava_chat_dir, b, 4)]
-    again, _ = chat_tokens(client, data_url(a))  # the same image again: its blocks are found
+    again, tokens_again = chat_tokens(client, data_url(a))  # the same image: its blocks found
     assert again.usage.prompt_tokens_details.cached_tokens > image_start
+    assert tokens_again == tokens_a
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,6 +98,7 @@ class ImageEmbeddings:
     _cache: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
     _bytes: int = 0
     _pending: dict[bytes, asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+    _tasks: set[asyncio.Future[dict[bytes, torch.Tensor]]] = field(default_factory=set)
 
     def key(self, digest: bytes) -> bytes:
         return hashlib.sha256(self.fingerprint + digest).digest()
@@ -121,7 +122,11 @@ class ImageEmbeddings:
             else:
                 todo[k] = im
         if todo:
-            found |= await self._encode(todo)
+            # its own task: a client that goes away does not cancel what others may wait for
+            task = asyncio.ensure_future(self._encode(todo))
+            self._tasks.add(task)
+            task.add_done_callback(_forget(self._tasks))
+            found |= await asyncio.shield(task)
         for k, fut in waits.items():
             found[k] = await asyncio.shield(fut)
         return [ImageSpan(im.start, found[k], im.digest) for k, im in zip(keys, images)]
@@ -133,11 +138,14 @@ class ImageEmbeddings:
         try:
             pixels = torch.stack([im.pixel_values for im in todo.values()])
             out = await self.encoder.encode(pixels, [im.digest for im in todo.values()])
-        except BaseException as e:
+        except BaseException as e:  # cancelled too (the engine stopping): nobody waits on
+            failed = e if isinstance(e, EncoderFailed) else EncoderFailed(str(e) or repr(e))
             for fut in futures.values():
-                fut.set_exception(e if isinstance(e, EncoderFailed) else EncoderFailed(str(e)))
+                fut.set_exception(failed)
                 fut.exception()  # retrieved: nobody else may be waiting
-            raise
+            if not isinstance(e, Exception):
+                raise
+            raise failed from None
         finally:
             for k in futures:
                 self._pending.pop(k, None)
@@ -165,4 +173,19 @@ class ImageEmbeddings:
         return self._bytes
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.encoder.close()
+
+
+def _forget(tasks: set) -> Callable[[asyncio.Future], None]:
+    """Drops a finished encoding from `tasks`, its exception retrieved (its caller may be
+    gone)."""
+
+    def done(task: asyncio.Future) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
