@@ -51,8 +51,12 @@ def test_defaults_and_flags() -> None:
     )
     assert _settings("--role", "decode", "--discovery", "etcd://127.0.0.1:2379").cluster.discovery
     assert _settings("--role", "router").cluster.role == "router"
+    enc = _settings("--role", "encoder").cluster
+    assert enc.role == "encoder" and enc.image_encoders == []
+    node = _settings("--image-encoders", "http://127.0.0.1:8300,http://10.0.0.4:8300").cluster
+    assert node.image_encoders == ["http://127.0.0.1:8300", "http://10.0.0.4:8300"]
     with pytest.raises(SystemExit):  # argparse: not a role
-        build_parser().parse_args(["serve", "--role", "encoder"])
+        build_parser().parse_args(["serve", "--role", "gateway"])
 
 
 def test_file_and_environment(tmp_path: Path) -> None:
@@ -80,6 +84,11 @@ def test_file_and_environment(tmp_path: Path) -> None:
         (["--lease-s", "0.5"], "cluster.lease_s"),
         (["--handoff-timeout-s", "0"], "cluster.handoff_timeout_s"),
         (["--advertise-url", "ftp://x"], "cluster.advertise_url"),
+        (["--image-encoders", "10.0.0.4:8300"], "cluster.image_encoders"),
+        (["--role", "encoder", "--image-encoders", "http://x:1"], "cluster.image_encoders"),
+        (["--image-encode-timeout-s", "0"], "cluster.image_encode_timeout_s"),
+        (["--image-url-schemes", "data,file"], "server.image_url_schemes"),
+        (["--image-max-pixels", "0"], "server.image_max_pixels"),
         (
             ["--role", "prefill", "--peers", "http://127.0.0.1:8000", "--host", "0.0.0.0"],
             "cluster.advertise_url",
