@@ -1,9 +1,12 @@
 """The encoder role on real daemon processes: a node whose images are encoded by an encoder node
-(`--role encoder`) answers as a single node encoding its own; a dead encoder is passed over for
-the next; with none left, a 503 in OpenAI's shape, while text-only requests never wait."""
+(`--role encoder`, found in the node's registry) answers as a single node encoding its own; a
+dead encoder is passed over for the next; with none left, a 503 in OpenAI's shape, while
+text-only requests never wait."""
 
 from __future__ import annotations
 
+import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +36,16 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def wait_registered(registry: str, url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(registry + "/cluster/v1/nodes?role=encoder", timeout=5) as r:
+            if any(n["url"] == url for n in json.loads(r.read())["data"]):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not register as an encoder at {registry}")
+
+
 def answer(url: str, image: bytes):
     client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     r = client.chat.completions.create(
@@ -51,15 +64,20 @@ def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     enc_port, node_port = free_port(), free_port()
     enc, node = f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{node_port}"
+    # the node is its own registry (a seed peer); the encoder registers there, and is found
+    # after the dead one the settings name
     prefill_args = node_args(
-        llava_chat_dir, "--image-encoders", f"{dead},{enc}", "--image-encode-timeout-s", "5"
+        llava_chat_dir,
+        *("--image-encoders", dead, "--image-encode-timeout-s", "5", "--peers", node),
     )
-    # both start at once: a node asks its encoders only when an image comes
-    proc = spawn(enc_port, node_args(llava_chat_dir, "--role", "encoder"), tmp_path / "enc.log")
+    enc_args = node_args(llava_chat_dir, "--role", "encoder", "--peers", node)
+    # both start at once: a node asks for its encoders only when an image comes
+    proc = spawn(enc_port, enc_args, tmp_path / "enc.log")
     node_proc = spawn(node_port, prefill_args, tmp_path / "node.log")
     try:
         wait_healthy(enc, proc, 120)
         wait_healthy(node, node_proc, 120)
+        wait_registered(node, enc)
         image = png(7)
         remote = answer(node, image)  # the dead encoder first, then the live one
         assert metric(node, "images_encoded") == 1  # by the cache's count, remotely

@@ -14,8 +14,9 @@ from daemon.build.config import EngineConfig
 from daemon.loop.images import DeviceImageEncoder, ImageEmbeddings, ImageEncoder
 from daemon.models.base import VisionLanguageModel
 
-# (the model, its image fingerprint in hex) -> the encoder its images go to
-RemoteEncoder = Callable[[VisionLanguageModel, str], ImageEncoder]
+# (the model, its image fingerprint in hex, this node's own encoder) -> the encoder its images
+# go to
+RemoteEncoder = Callable[[VisionLanguageModel, str, ImageEncoder], ImageEncoder]
 
 
 def image_embeddings(
@@ -33,5 +34,6 @@ def image_embeddings(
     fingerprint = hashlib.sha256(
         (json.dumps(hf_config, sort_keys=True) + str(dtype)).encode()
     ).digest()
-    encoder = remote(model, fingerprint.hex()) if remote else DeviceImageEncoder(model, device)
+    local = DeviceImageEncoder(model, device)
+    encoder = remote(model, fingerprint.hex(), local) if remote else local
     return ImageEmbeddings(encoder, fingerprint, int(cfg.image_cache_memory_gb * 2**30))

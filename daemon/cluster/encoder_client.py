@@ -1,9 +1,11 @@
-"""A prefill node's image encoder on encoder nodes: `POST <encoder>/cluster/v1/encode` with the
-preprocessed images, the embeddings back; each encoder in turn until one answers in time."""
+"""A node's image encoder on encoder nodes: `POST <encoder>/cluster/v1/encode` with the
+preprocessed images, the embeddings back; each encoder in turn until one answers in time. The
+encoders: those the settings name, then those registered with this node's registries."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import aiohttp
@@ -11,18 +13,22 @@ import structlog
 import torch
 
 from daemon.cluster.image_wire import CONTENT_TYPE, ImagePayload, PayloadError, pack, unpack
-from daemon.loop.images import EncoderFailed
+from daemon.cluster.registry_routes import NODES
+from daemon.loop.images import EncoderFailed, ImageEncoder
 
 log = structlog.get_logger(__name__)
 
 ENCODE_PATH = "/cluster/v1/encode"
 MAX_EMBEDDING_BYTES = 1 << 30
+LIST_TIMEOUT_S = 2.0
 
 
 class HttpImageEncoder:
-    """Encoder nodes `urls` (base URLs), tried in order from the one that last answered; each
-    call has `timeout_s` in all per encoder. Embeddings must come from the same model
-    (`fingerprint`) and have `image_tokens` x `hidden` rows per image."""
+    """Encoder nodes: `urls` (base URLs), then the encoders registered with `registries`
+    (looked up at most every `refresh_s`), the one that answered last first; each has
+    `timeout_s` in all. With none known, `fallback` (this node's own tower) encodes.
+    Embeddings must come from the same model (`fingerprint`), `image_tokens` x `hidden` per
+    image."""
 
     def __init__(
         self,
@@ -32,41 +38,80 @@ class HttpImageEncoder:
         hidden: int,
         timeout_s: float = 10.0,
         api_key: str | None = None,
+        registries: Sequence[str] = (),
+        fallback: ImageEncoder | None = None,
+        refresh_s: float = 5.0,
     ) -> None:
-        if not urls:
-            raise ValueError("an HttpImageEncoder needs at least one encoder URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.registries = [u.rstrip("/") for u in registries]
         self.fingerprint = fingerprint
         self.shape = (image_tokens, hidden)
         self.timeout_s = timeout_s
-        self.headers = {"Content-Type": CONTENT_TYPE}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.fallback = fallback
+        self.refresh_s = refresh_s
         self._session: aiohttp.ClientSession | None = None
-        self._first = 0  # the encoder that answered last
+        self._last: str | None = None  # the encoder that answered last
+        self._registered: list[str] = []
+        self._refresh_at = 0.0
 
     async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
+        urls = await self._candidates()
+        if not urls:
+            if self.fallback is None:
+                raise EncoderFailed("no encoder node is known")
+            return await self.fallback.encode(pixel_values, digests)
         body = pack(ImagePayload(pixel_values.float(), list(digests), self.fingerprint))
         errors = []
-        for i in range(len(self.urls)):
-            k = (self._first + i) % len(self.urls)
+        for url in urls:
             try:
-                out = await asyncio.wait_for(self._post(self.urls[k], body), self.timeout_s)
+                out = await asyncio.wait_for(self._post(url, body), self.timeout_s)
             except (TimeoutError, aiohttp.ClientError, OSError, PayloadError, EncoderFailed) as e:
                 reason = "timeout" if isinstance(e, TimeoutError) else str(e) or type(e).__name__
-                log.warning("image_encoder_failed", encoder=self.urls[k], error=reason[:300])
-                errors.append(f"{self.urls[k]}: {reason[:200]}")
+                log.warning("image_encoder_failed", encoder=url, error=reason[:300])
+                errors.append(f"{url}: {reason[:200]}")
                 continue
-            self._first = k
+            self._last = url
             if tuple(out.tensor.shape) != (len(digests), *self.shape):
-                raise EncoderFailed(f"{self.urls[k]} sent embeddings of shape {out.tensor.shape}")
+                raise EncoderFailed(f"{url} sent embeddings of shape {tuple(out.tensor.shape)}")
             return out.tensor.float()
         raise EncoderFailed("no encoder answered: " + "; ".join(errors))
 
+    async def _candidates(self) -> list[str]:
+        urls = list(dict.fromkeys(self.urls + await self._from_registries()))
+        if self._last in urls:
+            urls.remove(self._last)
+            urls.insert(0, self._last)
+        return urls
+
+    async def _from_registries(self) -> list[str]:
+        if not self.registries or time.monotonic() < self._refresh_at:
+            return self._registered
+        found: list[str] = []
+        for registry in self.registries:
+            try:
+                nodes = await asyncio.wait_for(self._list(registry), LIST_TIMEOUT_S)
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+                log.warning("image_encoder_list_failed", registry=registry, error=repr(e)[:200])
+                continue
+            found.extend(n for n in nodes if n not in found)
+        self._registered, self._refresh_at = found, time.monotonic() + self.refresh_s
+        return found
+
+    async def _list(self, registry: str) -> list[str]:
+        async with self._client().get(
+            registry + NODES, params={"role": "encoder"}, headers=self.auth
+        ) as r:
+            if r.status != 200:
+                raise ValueError(f"the registry answered {r.status}")
+            data = (await r.json()).get("data")
+        if not isinstance(data, list):
+            raise ValueError("the registry's list has no data")
+        return [n["url"] for n in data if isinstance(n, dict) and isinstance(n.get("url"), str)]
+
     async def _post(self, url: str, body: bytes) -> ImagePayload:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        async with self._session.post(url + ENCODE_PATH, data=body, headers=self.headers) as r:
+        headers = {"Content-Type": CONTENT_TYPE} | self.auth
+        async with self._client().post(url + ENCODE_PATH, data=body, headers=headers) as r:
             if r.status != 200:
                 raise EncoderFailed(f"answered {r.status}: {(await r.text())[:200]}")
             data = await r.read()
@@ -75,7 +120,14 @@ class HttpImageEncoder:
             raise EncoderFailed("the encoder serves another model")
         return out
 
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.fallback is not None:
+            await self.fallback.close()

@@ -1,4 +1,5 @@
-"""Where a node's images are encoded: on the encoder nodes its settings name, else here."""
+"""Where a node's images are encoded: on the encoder nodes its settings name or its registries
+list, else here."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from daemon.models.base import VisionLanguageModel
 
 
 def remote_encoder(cluster: ClusterConfig, api_key: str | None) -> RemoteEncoder | None:
-    """None: the model's own tower on this node (no --image-encoders)."""
+    """None: the model's own tower on this node (no --image-encoders, no registry to ask).
+    A node that registers over HTTP asks its registries (--peers) for encoder nodes."""
     urls = list(cluster.image_encoders)
-    if not urls:
+    asks = cluster.role in ("unified", "prefill", "decode") and cluster.discovery == "http"
+    registries = list(cluster.peers) if asks else []
+    if not urls and not registries:
         return None
 
-    def make(model: VisionLanguageModel, fingerprint: str) -> ImageEncoder:
+    def make(model: VisionLanguageModel, fingerprint: str, local: ImageEncoder) -> ImageEncoder:
         return HttpImageEncoder(
             urls,
             fingerprint,
@@ -23,6 +27,9 @@ def remote_encoder(cluster: ClusterConfig, api_key: str | None) -> RemoteEncoder
             model.hidden_size,
             cluster.image_encode_timeout_s,
             api_key,
+            registries=registries,
+            fallback=local,
+            refresh_s=cluster.lease_s,
         )
 
     return make

@@ -305,7 +305,9 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
             f"a {c.role} node registers somewhere: give the router's URL (--peers) or "
             "--discovery etcd://HOST:PORT",
         )
-    registers = c.role in ("prefill", "decode") or (c.role == "unified" and (c.peers or etcd))
+    registers = c.role in ("prefill", "decode") or (
+        c.role in ("unified", "encoder") and (c.peers or etcd)
+    )
     if registers and sv.host in _WILDCARDS and c.advertise_url is None:
         raise ConfigError(
             "cluster.advertise_url",
