@@ -124,7 +124,7 @@ def test_derived_addresses() -> None:
     assert node_id(ClusterConfig(node_id="p0"), 8101) == "p0"
 
 
-@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0"])
+@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0", "encoder0"])
 def test_example_settings_per_role(name: str) -> None:
     s = load_settings(ROOT / "systemd" / f"{name}.toml")
     assert s.cluster.role == name.rstrip("0")

@@ -429,7 +429,7 @@ class Engine:
             | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
             | self.handoffs.stats.as_dict()
-            | (self._image_stats())
+            | self._image_stats()
         )
 
     def _image_stats(self) -> dict[str, object]:
