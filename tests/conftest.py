@@ -71,6 +71,15 @@ V4_SERVED_NAME = "tiny-deepseek-v4"
 
 
 @pytest.fixture(scope="session")
+def llava_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random LLaVA (CLIP tower, projector, Llama) with the DeepSeek tokenizer and a
+    plain chat template (tests/test_api_images.py)."""
+    from tests.test_api_images import make_chat_llava
+
+    return make_chat_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
 def v4_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random DeepSeek-V4 (hidden 64, 3 layers) with the real V4 tokenizer (vocab 129280)."""
     return copy_tokenizer(make_v4_checkpoint(tmp_path_factory.mktemp("tiny-v4"), vocab_size=129280))

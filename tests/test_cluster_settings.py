@@ -62,8 +62,12 @@ def test_defaults_and_flags() -> None:
     )
     assert _settings("--role", "decode", "--discovery", "etcd://127.0.0.1:2379").cluster.discovery
     assert _settings("--role", "router").cluster.role == "router"
+    enc = _settings("--role", "encoder").cluster
+    assert enc.role == "encoder" and enc.image_encoders == []
+    node = _settings("--image-encoders", "http://127.0.0.1:8300,http://10.0.0.4:8300").cluster
+    assert node.image_encoders == ["http://127.0.0.1:8300", "http://10.0.0.4:8300"]
     with pytest.raises(SystemExit):  # argparse: not a role
-        build_parser().parse_args(["serve", "--role", "encoder"])
+        build_parser().parse_args(["serve", "--role", "gateway"])
 
 
 def test_file_and_environment(tmp_path: Path) -> None:
@@ -93,6 +97,11 @@ def test_file_and_environment(tmp_path: Path) -> None:
         (["--handoff-min-tokens", "1"], "cluster.handoff_min_tokens"),
         (["--routers", "127.0.0.1:8000"], "cluster.routers"),
         (["--advertise-url", "ftp://x"], "cluster.advertise_url"),
+        (["--image-encoders", "10.0.0.4:8300"], "cluster.image_encoders"),
+        (["--role", "encoder", "--image-encoders", "http://x:1"], "cluster.image_encoders"),
+        (["--image-encode-timeout-s", "0"], "cluster.image_encode_timeout_s"),
+        (["--image-url-schemes", "data,file"], "server.image_url_schemes"),
+        (["--image-max-pixels", "0"], "server.image_max_pixels"),
         (
             ["--role", "prefill", "--peers", "http://127.0.0.1:8000", "--host", "0.0.0.0"],
             "cluster.advertise_url",
@@ -144,7 +153,7 @@ def test_derived_addresses() -> None:
     assert node_id(ClusterConfig(node_id="p0"), 8101) == "p0"
 
 
-@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0"])
+@pytest.mark.parametrize("name", ["router0", "prefill0", "decode0", "encoder0"])
 def test_example_settings_per_role(name: str) -> None:
     s = load_settings(ROOT / "systemd" / f"{name}.toml")
     assert s.cluster.role == name.rstrip("0")

@@ -36,6 +36,7 @@ class EngineConfig:
     swa_cache_memory_gb: float = 1.0
     swa_cache_ttl_s: float = 180.0
     host_cache_memory_gb: float = 4.0  # host-memory tier of the prefix cache (0 = off)
+    image_cache_memory_gb: float = 0.5  # a vision model's image embeddings by content hash
     kv_store_dir: str | None = None  # block store directory (a 3FS mount, or local); None = off
     kv_store_fsync: bool = False  # fsync each block before publishing it
     kv_store_io_threads: int = 8

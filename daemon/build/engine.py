@@ -13,6 +13,7 @@ import torch
 from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
 from daemon.build.device import resolve_device, resolve_dtype
+from daemon.build.images import RemoteEncoder, image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
 from daemon.build.mtp import state_bytes as mtp_state_bytes
@@ -57,12 +58,14 @@ def build_engine(
     metrics: EngineMetrics | None = None,
     handoff_timeout_s: float = 30.0,
     handoff_min_tokens: int = 2,
+    remote_images: RemoteEncoder | None = None,
 ) -> tuple[Engine, str]:
     """The engine and the name it serves the model under; `metrics`: its request observer
     (what /metrics serves), None for none; `handoff_timeout_s`: the most a KV handoff from a
     prefill node may take before the prompt is computed here; `handoff_min_tokens`: shorter
-    prompts are computed here without one. A model, device or KV budget that cannot serve
-    raises StartupError."""
+    prompts are computed here without one; `remote_images`: makes the encoder a vision
+    model's images go to (encoder nodes; None: its own tower). A model, device or KV budget
+    that cannot serve raises StartupError."""
     cfg = implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
         path = model_path(cfg)
@@ -148,6 +151,7 @@ def build_engine(
         observer=metrics,
         handoff_timeout_s=handoff_timeout_s,
         handoff_min_tokens=handoff_min_tokens,
+        images=image_embeddings(cfg, model, device, hf_config, dtype, remote_images),
     )
     if metrics is not None:
         metrics.collect_engine(engine)

@@ -16,7 +16,8 @@ NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 @dataclass
 class ClusterConfig:
     # unified: today's node on its own (registers only when given peers); prefill / decode: a
-    # disaggregated node that registers; router: no model, serves the APIs by proxy
+    # disaggregated node that registers; router: no model, serves the APIs by proxy; encoder:
+    # also serves a vision model's image embeddings to other nodes
     role: str = "unified"
     peers: list[str] = field(default_factory=list)  # registries (router, seed peers): base URLs
     # the routers a decode node takes routed requests (and asks prefill routes) from; default:
@@ -27,6 +28,10 @@ class ClusterConfig:
     node_id: str | None = None  # default: <role>-<hostname>-<port>
     lease_s: float = 6.0  # a node whose lease lapses leaves the set; heartbeats every lease/3
     handoff_timeout_s: float = 30.0  # a KV handoff not done by then is recomputed locally
+    # encoder nodes (`--role encoder`: a vision model's tower for others) that encode this
+    # node's images, tried in turn; none: encoded here
+    image_encoders: list[str] = field(default_factory=list)
+    image_encode_timeout_s: float = 10.0  # per encoder tried
     handoff_min_tokens: int = 2  # a decode node computes shorter prompts itself, no handoff
     role_drain_timeout_s: float = 60.0  # a live role change not drained by then is undone
     # the router's P:D autoscaler (cluster/autoscale.py): off unless asked for

@@ -19,10 +19,11 @@ class PeerFeed(Protocol):
 
 
 def registers(cfg: ClusterConfig) -> bool:
-    """Prefill and decode nodes always; a unified one when told where (peers or etcd)."""
+    """Prefill and decode nodes always; a unified or encoder one when told where (peers or
+    etcd)."""
     if cfg.role in ("prefill", "decode"):
         return True
-    return cfg.role == "unified" and (bool(cfg.peers) or cfg.discovery != "http")
+    return cfg.role in ("unified", "encoder") and (bool(cfg.peers) or cfg.discovery != "http")
 
 
 def announcer(

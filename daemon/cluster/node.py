@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
-Role = Literal["unified", "prefill", "decode", "router"]
+Role = Literal["unified", "prefill", "decode", "router", "encoder"]
 ROLES: tuple[str, ...] = get_args(Role)
 # this process's epoch: later starts of a node get larger ones (wall-clock nanoseconds), so
 # a peer tells a restarted node (whose KV state is gone) from the process it knew

@@ -87,7 +87,8 @@ class PrefixCache:
     def keys(self, req: PrefixRequest) -> list[bytes]:
         st = req.prefix
         tokens = req.prompt_ids + req.output_ids
-        st.block_keys = block_hashes(tokens, self.block, self.salt + st.cache_salt, st.block_keys)
+        salt = self.salt + st.cache_salt
+        st.block_keys = block_hashes(tokens, self.block, salt, st.block_keys, st.content)
         return st.block_keys
 
     def _usable_keys(self, req: PrefixRequest) -> list[bytes]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from daemon.kv.prefix_hash import ContentSpan
+
 if TYPE_CHECKING:
     import torch
 
@@ -19,6 +21,8 @@ class PrefixState:
 
     cache_salt: bytes = b""  # separates tenants' prefixes
     traffic_class: str = "chat"  # block-store retention class
+    # (start, end, digest): placeholder positions standing for content (images), in the keys
+    content: list[ContentSpan] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # leading blocks already findable in the prefix cache
     replay_from: int = 0  # a replay recomputes [replay_from, replay_until) with its

@@ -29,6 +29,7 @@ from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.handoff import KVSource
 from daemon.loop.handoffs import Handoffs
+from daemon.loop.images import ImageEmbeddings, ImageInput, ImageSpan
 from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor
@@ -104,6 +105,7 @@ class Engine:
         observer: RequestObserver | None = None,
         handoff_timeout_s: float = 30.0,
         handoff_min_tokens: int = 2,
+        images: ImageEmbeddings | None = None,
     ) -> None:
         """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
         reads before admissions and flushes and closes on stop; `sweeper` expires the store's
@@ -112,9 +114,11 @@ class Engine:
         the most a KV handoff (reserving blocks, fetching, importing) may take before the
         request computes its prompt here instead; a prompt shorter than `handoff_min_tokens`
         is computed here without one (cheaper than waiting behind a prefill node's long
-        prompts)."""
+        prompts); `images`: the image embeddings of a vision-language model (None: the engine
+        takes no images)."""
         self.handoff_min_tokens = max(2, handoff_min_tokens)
         self.runner = runner
+        self.images = images
         self.kv = kv
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -176,6 +180,8 @@ class Engine:
         # a failed loop's error is `self.error`, logged when it failed: stopping goes on
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = self._sweep_task = None
+        if self.images is not None:
+            await self.images.close()
         for req in list(self.requests.values()):
             self.abort(req.request_id)  # also wakes anyone still reading its stream
         await asyncio.to_thread(self._executor.shutdown, True)  # EP: until every rank stops
@@ -195,11 +201,19 @@ class Engine:
         traffic_class: str = "chat",
         cache_salt: bytes = b"",
         kv_source: KVSource | None = None,
+        images: list[ImageSpan] | None = None,
     ) -> Request:
         """A request to generate for; with `kv_source` its prompt's KV state is fetched from
-        there first (the decode side of a handoff), else, or if that fails, computed here."""
+        there first (the decode side of a handoff), else, or if that fails, computed here.
+        `images`: embeddings (from `encode_images`) that replace the embeddings of their
+        placeholder positions."""
         self._check(prompt_ids, params)
+        if images and (kv_source is not None or any(s.end > len(prompt_ids) for s in images)):
+            raise RequestRejected("the images' placeholders lie outside the prompt", "messages")
         req = self._new_request(prompt_ids, params, request_id, priority, traffic_class, cache_salt)
+        if images:
+            req.images = list(images)
+            req.prefix.content = [(s.start, s.end, s.digest) for s in images]
         if kv_source is None:
             self._enqueue(req)
         elif len(prompt_ids) < self.handoff_min_tokens or params.prompt_logprobs is not None:
@@ -211,6 +225,13 @@ class Engine:
         else:
             self.handoffs.start_import(req, kv_source)
         return req
+
+    async def encode_images(self, images: list[ImageInput]) -> list[ImageSpan]:
+        """The embeddings of a request's images, from the cache or the encoder (raises
+        `EncoderFailed`)."""
+        if self.images is None:
+            raise RequestRejected("this model does not take images", "messages")
+        return await self.images.spans(images)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.error is not None:
@@ -413,7 +434,14 @@ class Engine:
             | (spec.as_dict() if (spec := self.scheduler.speculator) is not None else {})
             | self._store_stats()
             | self.handoffs.stats.as_dict()
+            | self._image_stats()
         )
+
+    def _image_stats(self) -> dict[str, object]:
+        images = self.images
+        if images is None:
+            return {}
+        return images.stats.as_dict() | {"image_cache_bytes": images.cached_bytes}
 
     def _store_stats(self) -> dict[str, object]:
         usage = self.sweeper.store.usage if self.sweeper is not None else None

@@ -96,6 +96,24 @@ class EngineMetrics:
         self.finished.labels(reason.value).inc()
 
 
+def _images(stats: dict) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "deepinfer:images_encoded",
+        "Images the vision encoder encoded (a cached image is not encoded again).",
+        value=stats["images_encoded"],
+    )
+    yield CounterMetricFamily(
+        "deepinfer:image_cache_hits",
+        "Images whose embeddings were cached by content hash (or being encoded).",
+        value=stats["image_cache_hits"],
+    )
+    yield GaugeMetricFamily(
+        "deepinfer:image_cache_bytes",
+        "Host memory held by cached image embeddings.",
+        value=stats["image_cache_bytes"],
+    )
+
+
 class _EngineCollector:
     """Gauges and cumulative counters straight from Engine.stats() at scrape time."""
 
@@ -124,6 +142,8 @@ class _EngineCollector:
             "deepinfer:num_preemptions", "Requests preempted (freed, recomputed).", value=preempted
         )
         yield from _handoff(stats)
+        if "images_encoded" in stats:
+            yield from _images(stats)
         if "spec_drafts" in stats:
             yield from _spec(stats)
         if "prefix_requests" not in stats:

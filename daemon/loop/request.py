@@ -12,6 +12,7 @@ from daemon.loop.request_stats import RequestStats
 
 if TYPE_CHECKING:
     from daemon.loop.constraint import Constraint
+    from daemon.loop.images import ImageSpan
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Request:
     prefix: PrefixState = field(default_factory=PrefixState)
     cache: CacheUse = field(default_factory=CacheUse)
     stats: RequestStats = field(default_factory=RequestStats)
+    images: list[ImageSpan] = field(default_factory=list)  # embeddings at their placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -60,6 +60,7 @@ from daemon.models.base import (
     RequestState,
     SeqSlice,
     SlidingWindowCache,
+    VisionLanguageModel,
 )
 
 PROMPT_LOGITS_ROWS = 256  # prompt logprobs: rows of full-vocabulary logits held at once
@@ -194,6 +195,8 @@ class PreparedStep:
     drafting: DraftRows | None = None  # sequences that draft at the end (a draft network)
     # KV handoff imports and exports, after the cache ops (the engine adds them)
     transfers: list[KVTransfer] = field(default_factory=list)
+    # image embeddings: the batch rows they replace and their rows (None: no image this step)
+    splice: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -326,6 +329,8 @@ class ModelRunner:
         verify = _VerifyBuilder()
         drafting = DraftRows()
         num_samples = 0
+        splice_rows: list[int] = []
+        splice_embeds: list[torch.Tensor] = []
 
         for i, seq in enumerate(step.seqs):
             req = seq.request
@@ -348,6 +353,11 @@ class ModelRunner:
                 input_ids.append(-1)
             input_ids.extend(seq.draft)
             positions.extend(range(start, end))
+            for image in req.images:  # its placeholders computed in this step
+                lo, hi = max(start, image.start), min(known, image.end)
+                if lo < hi:
+                    splice_rows.extend(range(q_start + lo - start, q_start + hi - start))
+                    splice_embeds.append(image.embeds[lo - image.start : hi - image.start])
             tables = kv.block_tables(req.request_id)
             floor = req.prefix.replay_from if seq.replay else 0
             if d and self.drafts_as_decodes:
@@ -442,6 +452,9 @@ class ModelRunner:
             verify=verify.build(self.vocab_size),
             num_samples=num_samples,
             drafting=drafting if drafting.slots and self.drafting is not None else None,
+            splice=(torch.tensor(splice_rows, dtype=torch.long), torch.cat(splice_embeds))
+            if splice_rows
+            else None,
         )
 
     def _walk_draft(
@@ -551,7 +564,14 @@ class ModelRunner:
             rows = step.placeholder_rows.to(dev, non_blocking=True)
             input_ids[rows] = self.last_tokens[step.placeholder_slots.to(dev, non_blocking=True)]
         positions, attention = step.positions.to(dev, non_blocking=True), step.attention.to(dev)
-        hidden = self.graphs.run(input_ids, positions, attention) if self.graphs else None
+        if step.splice is not None:  # a prefill with images: never a decode graph
+            rows, embeds = (t.to(dev, non_blocking=True) for t in step.splice)
+            vision = cast(VisionLanguageModel, self.model)
+            hidden = vision.forward_spliced(
+                input_ids, positions, attention, self.cache, rows, embeds
+            )
+        else:
+            hidden = self.graphs.run(input_ids, positions, attention) if self.graphs else None
         if hidden is None:
             hidden = self.model(input_ids, positions, attention, self.cache)
         if self.drafting is not None:

@@ -209,3 +209,34 @@ class EarlyExitModel(Protocol):
         """The hidden rows after the first `num_layers` layers and the final norm (so that
         `compute_logits` applies); writes those layers' KV at `positions`."""
         ...
+
+
+@runtime_checkable
+class VisionLanguageModel(Protocol):
+    """An optional capability of a `Model`: images encoded into embeddings that replace the
+    token embeddings of their placeholders (`image_tokens` of `image_token_id` per image)."""
+
+    @property
+    def image_token_id(self) -> int: ...
+
+    @property
+    def image_tokens(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, image_tokens, hidden] embeddings of preprocessed images [images, 3, H, W]."""
+        ...
+
+    def forward_spliced(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionMetadata,
+        cache: ModelCache,
+        rows: torch.Tensor,
+        embeds: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward with the input embeddings of batch rows `rows` replaced by `embeds`."""
+        ...

@@ -72,6 +72,71 @@ def make_dense_checkpoint(
     return path
 
 
+LLAVA_IMAGE_SIZE = 32  # pixels, square
+LLAVA_PATCH = 8  # so (32 / 8)^2 = 16 image tokens
+
+
+def make_llava_checkpoint(
+    path: Path,
+    image_token_id: int = 500,
+    vocab_size: int = 512,
+    with_tokenizer: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A tiny random LLaVA (CLIP vision tower, projector, Llama) saved by transformers, with the
+    CLIP image processor its prompts need; `with_tokenizer`: the DeepSeek tokenizer, whose
+    image token is `image_token_id` then."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    if with_tokenizer:
+        vocab_size = 129280
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=LLAVA_PATCH,
+        initializer_range=0.2,
+    )
+    text = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    side = LLAVA_IMAGE_SIZE // LLAVA_PATCH
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        image_seq_length=side * side,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    size = LLAVA_IMAGE_SIZE
+    CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    ).save_pretrained(path)
+    if with_tokenizer:
+        copy_tokenizer(path)
+    return path
+
+
 V4_TINY = dict(
     vocab_size=512,
     hidden_size=64,

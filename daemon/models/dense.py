@@ -214,7 +214,19 @@ class DenseForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The first `num_layers` layers, then the final norm (layer skipping drafts from these
         rows through `compute_logits`)."""
-        x = self.embed_tokens(input_ids)
+        return self.forward_embedded(
+            self.embed_tokens(input_ids), positions, batch, cache, num_layers
+        )
+
+    def forward_embedded(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        cache: PagedKVCache,
+        num_layers: int,
+    ) -> torch.Tensor:
+        """`forward_layers` from input embeddings `x` (a multimodal model's spliced rows)."""
         for layer, kv in zip(self.layers[:num_layers], cache.layers):
             x = layer(x, positions, batch, kv)
         return self.norm(x)

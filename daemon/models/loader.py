@@ -23,6 +23,7 @@ from daemon.models.dense import DenseConfig, DenseForCausalLM
 from daemon.models.gguf_checkpoint.config import gguf_config
 from daemon.models.gguf_checkpoint.reader import GGUFError, find_gguf, open_gguf
 from daemon.models.gguf_checkpoint.weights import hf_tensors
+from daemon.models.llava import LlavaConfig, LlavaForConditionalGeneration
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +33,7 @@ MODEL_TYPES: dict[str, tuple[Any, Any]] = {
     "qwen2": (DenseConfig, DenseForCausalLM),
     "qwen3": (DenseConfig, DenseForCausalLM),
     "deepseek_v4": (V4Config, DeepseekV4ForCausalLM),
+    "llava": (LlavaConfig, LlavaForConditionalGeneration),
 }
 
 
@@ -94,6 +96,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
             reader = open_gguf(gguf_file)
             tensors = hf_tensors(reader, hf_config)
             fill_weights(model, tensors, len(reader.tensors), gguf_file.name, "dequantizing GGUF")
+    after_load = getattr(model, "after_load", None)
+    if after_load is not None:
+        after_load()
     model.eval()
     log.info(
         "model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device)

@@ -36,6 +36,7 @@ from daemon.loop.metrics import EngineMetrics
 from daemon.models.loader import read_config
 from daemon.service import logs
 from daemon.service.cluster_node import engine_load, fingerprint_of, local_node
+from daemon.service.encoder_node import remote_encoder
 from daemon.service.handoff_node import handoff_config
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
@@ -70,6 +71,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 metrics,
                 handoff_timeout_s=settings.cluster.handoff_timeout_s,
                 handoff_min_tokens=settings.cluster.handoff_min_tokens,
+                remote_images=remote_encoder(settings.cluster, server_cfg.api_key),
             )
             # restored first: past pop_all no _StopStarting could reach the `except` below
             # with the sockets already out of the stack
@@ -113,6 +115,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
         model_dir=model_dir,
         handoff=handoff,
         role_change=role_change,
+        image_encoder=settings.cluster.role == "encoder",
     )
     add_registry_routes(app, PeerSet())  # any node can be a seed peer others register with
     runner = await start_server(app, server_cfg, socks)

@@ -89,6 +89,20 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "the chat template teaches)",
     )
     p.add_argument(
+        "--image-url-schemes",
+        default=S,
+        help="a vision model's image URL schemes read, comma-separated: data (default), http, "
+        "https (these fetch from the network)",
+    )
+    for flag, kind, what in (
+        ("--image-max-count", int, "images per request"),
+        ("--image-max-bytes", int, "encoded bytes per image"),
+        ("--image-max-total-bytes", int, "encoded image bytes per request"),
+        ("--image-max-pixels", int, "pixels (width x height) per image"),
+        ("--image-fetch-timeout-s", float, "seconds to read a request's images"),
+    ):
+        p.add_argument(flag, type=kind, default=S, help=f"a vision model's limit: {what}")
+    p.add_argument(
         "--response-store-max-count",
         type=int,
         default=S,
@@ -120,7 +134,8 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         default=S,
         choices=ROLES,
         help="unified (default): a node on its own; prefill / decode: a disaggregated node that "
-        "registers with its peers; router: no model, serves the APIs through the nodes",
+        "registers with its peers; router: no model, serves the APIs through the nodes; encoder: "
+        "also serves a vision model's image embeddings to nodes given --image-encoders",
     )
     c.add_argument(
         "--peers",
@@ -149,6 +164,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="the base URL peers reach this node at (default http://HOST:PORT)",
     )
     c.add_argument("--node-id", default=S, help="default: <role>-<hostname>-<port>")
+    c.add_argument(
+        "--image-encoders",
+        default=S,
+        type=_url_list,
+        metavar="URL[,URL]",
+        help="encoder nodes (--role encoder) that encode this node's images, tried in turn",
+    )
+    c.add_argument("--image-encode-timeout-s", type=float, default=S)
     c.add_argument(
         "--lease-s",
         type=float,
@@ -290,6 +313,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=S,
         help="host-memory tier of the prefix cache (0: off)",
+    )
+    g.add_argument(
+        "--image-cache-memory-gb",
+        type=float,
+        default=S,
+        help="host memory for a vision model's image embeddings, by content hash",
     )
     g.add_argument(
         "--kv-store-dir",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from daemon.api.codecs.images import SCHEMES as IMAGE_SCHEMES
 from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.codecs.tool_parsers import PARSERS
 from daemon.api.http.config import ServerConfig
@@ -210,12 +211,24 @@ def check(s: Settings) -> None:
     _choice("logging.level", lg.level, logs.LEVELS)
     _choice("server.thinking_default", sv.thinking_default, THINKING_DEFAULTS)
     _choice("server.tool_call_parser", sv.tool_call_parser, TOOL_CALL_PARSERS)
+    for scheme in sv.image_url_schemes.split(","):
+        _choice("server.image_url_schemes", scheme.strip(), IMAGE_SCHEMES)
+    for key in (
+        "image_max_count",
+        "image_max_bytes",
+        "image_max_total_bytes",
+        "image_max_pixels",
+        "image_fetch_timeout_s",
+    ):
+        if getattr(sv, key) <= 0:
+            raise ConfigError(f"server.{key}", "must be positive")
     _choice("logging.format", lg.format, logs.FORMATS)
     for key in ("kv_cache_memory_gb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(e, key) <= 0:
             raise ConfigError(f"engine.{key}", "must be positive")
     for key in (
         "host_cache_memory_gb",
+        "image_cache_memory_gb",
         "swa_cache_memory_gb",
         "kv_store_capacity_gb",
         "cpu_threads",
@@ -289,13 +302,24 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
     if c.role_drain_timeout_s <= 0:
         raise ConfigError("cluster.role_drain_timeout_s", "must be positive")
     _check_autoscale(c, sv)
+    for url in c.image_encoders:
+        try:
+            base_url(url)
+        except ValueError as err:
+            raise ConfigError("cluster.image_encoders", str(err)) from None
+    if c.image_encoders and c.role in ("encoder", "router"):
+        raise ConfigError("cluster.image_encoders", f"a {c.role} node sends no images elsewhere")
+    if c.image_encode_timeout_s <= 0:
+        raise ConfigError("cluster.image_encode_timeout_s", "must be positive")
     if c.role in ("prefill", "decode") and etcd is None and not c.peers:
         raise ConfigError(
             "cluster.peers",
             f"a {c.role} node registers somewhere: give the router's URL (--peers) or "
             "--discovery etcd://HOST:PORT",
         )
-    registers = c.role in ("prefill", "decode") or (c.role == "unified" and (c.peers or etcd))
+    registers = c.role in ("prefill", "decode") or (
+        c.role in ("unified", "encoder") and (c.peers or etcd)
+    )
     if registers and sv.host in _WILDCARDS and c.advertise_url is None:
         raise ConfigError(
             "cluster.advertise_url",

@@ -4,9 +4,10 @@ their outputs -> the protocol's answer, whole or as stream events (an Answer).""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from daemon.loop.images import ImageInput
 from daemon.loop.request import RequestOutput, SamplingParams
 
 JsonObject = dict[str, Any]
@@ -61,6 +62,7 @@ class Call:
     stream: bool
     answer: Callable[[], Answer]
     priority: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # every job's prompt has them
 
 
 In = TypeVar("In", contravariant=True)

@@ -58,14 +58,17 @@ class ChatTemplate:
             env.from_string(source), tokenizer, special, None if parser == "none" else parser
         )
 
-    def render(self, body: dict[str, Any], tools: ToolRequest | None = None) -> str:
-        """`tools` (checked from the body when not given): rendered unless tool_choice none."""
+    def render(
+        self, body: dict[str, Any], tools: ToolRequest | None = None, image_text: str = ""
+    ) -> str:
+        """`tools` (checked from the body when not given): rendered unless tool_choice none;
+        `image_text`: what an image part becomes in the text (a vision model's image token)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise CodecError("'messages' must be a non-empty array", "messages")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise CodecError("each message must be an object with a string 'role'", "messages")
-        messages = [_message(i, m) for i, m in enumerate(messages)]
+        messages = [_message(i, m, image_text) for i, m in enumerate(messages)]
         tools = tool_request(body) if tools is None else tools
         try:
             return self.template.render(
@@ -77,8 +80,11 @@ class ChatTemplate:
         except (jinja2.TemplateError, TypeError, ValueError) as e:  # e.g. str + a missing name
             raise CodecError(f"the chat template rejected the messages: {e}", "messages") from None
 
-    def encode(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
-        return self.tokenizer.encode(self.render(body, tools), add_special_tokens=False)
+    def encode(
+        self, body: dict[str, Any], tools: ToolRequest | None = None, image_text: str = ""
+    ) -> list[int]:
+        text = self.render(body, tools, image_text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _source(model_dir: Path, cfg: dict[str, Any]) -> str | None:
@@ -94,7 +100,7 @@ def _source(model_dir: Path, cfg: dict[str, Any]) -> str | None:
     return source if isinstance(source, str) else None
 
 
-def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+def _message(i: int, m: dict[str, Any], image_text: str = "") -> dict[str, Any]:
     """A message as chat templates take it: text content, and the arguments of an assistant's
     tool calls as objects (transformers' templates expect them so; OpenAI sends JSON text)."""
     role = m["role"]
@@ -105,7 +111,7 @@ def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
             f"messages[{i}].role",
             "invalid_value",
         )
-    out = m | {"content": _text(m.get("content"))}
+    out = m | {"content": _text(m.get("content"), image_text)}
     if role == "developer":  # OpenAI's newer name for system; templates know only system
         out["role"] = "system"
     calls = m.get("tool_calls")
@@ -150,15 +156,21 @@ def _tojson(
     )
 
 
-def _text(content: Any) -> str:
-    """Message content: a string, or OpenAI content parts of which the text ones are kept."""
+def _text(content: Any, image_text: str = "") -> str:
+    """Message content: a string, or OpenAI content parts of which the text ones are kept (and
+    each image_url part as `image_text`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         return "".join(
-            p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str)
+            p["text"]
+            if p.get("type") == "text" and isinstance(p.get("text"), str)
+            else image_text
+            if p.get("type") == "image_url"
+            else ""
+            for p in content
         )
     raise CodecError("message 'content' must be a string or an array of parts", "messages")
 

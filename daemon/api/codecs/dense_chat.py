@@ -14,9 +14,11 @@ from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.api.codecs.completions_request import MAX_N
 from daemon.api.codecs.constraints import Constraints, Grammar
 from daemon.api.codecs.dense_chat_answer import DenseChatAnswer
-from daemon.api.codecs.dense_tools import tool_request
+from daemon.api.codecs.dense_tools import ToolRequest, tool_request
+from daemon.api.codecs.images import ImageReader, chat_image_refs, expand_placeholders
 from daemon.api.codecs.jobs import sample_jobs
 from daemon.api.codecs.params import get_bool, get_int, get_object, sampling_params
+from daemon.loop.images import ImageInput
 
 
 class DenseChatCodec:
@@ -29,8 +31,11 @@ class DenseChatCodec:
         constraints: Constraints | None,
         served_name: str,
         max_model_len: int,
+        images: ImageReader | None = None,
     ) -> None:
+        """`images`: reads `image_url` parts for a vision model (None: the model takes none)."""
         self.template = template
+        self.images = images
         self.constraints = constraints
         self.served_name = served_name
         self.max_model_len = max_model_len
@@ -45,8 +50,7 @@ class DenseChatCodec:
                 "(hermes or llama3_json) or send tool_choice none",
                 "tools",
             )
-        # rendering and tokenizing a long conversation takes a while: off the event loop
-        prompt_ids = await asyncio.to_thread(self.template.encode, body, tools)
+        prompt_ids, images = await self._prompt(body, tools)
         limit = get_int(body, "max_completion_tokens", lo=1) or get_int(body, "max_tokens", lo=1)
         max_tokens = limit or max(1, self.max_model_len - len(prompt_ids))
         want_logprobs = get_bool(body, "logprobs")
@@ -80,4 +84,35 @@ class DenseChatCodec:
             stream,
             parser,
         )
-        return Call(api_id, sample_jobs(prompt_ids, params, n, grammar), stream, answer)
+        jobs = sample_jobs(prompt_ids, params, n, grammar)
+        return Call(api_id, jobs, stream, answer, images=images)
+
+    async def _prompt(
+        self, body: JsonObject, tools: ToolRequest
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids and its images (read and preprocessed), both off the event loop
+        (rendering and tokenizing a long conversation takes a while too)."""
+        refs = chat_image_refs(body)
+        reader = self.images
+        if reader is None:
+            if refs:
+                raise CodecError("this model does not take images", refs[0].param)
+            return await asyncio.to_thread(self.template.encode, body, tools), []
+        reader.check_count(refs)
+        spelling = self.template.tokenizer.token_text(reader.image_token_id)
+        ids = await asyncio.to_thread(self.template.encode, body, tools, spelling)
+        ids, starts = expand_placeholders(
+            ids, reader.image_token_id, reader.image_tokens, len(refs)
+        )
+        if not refs:
+            return ids, []
+        try:
+            read = await asyncio.wait_for(
+                asyncio.to_thread(reader.read, refs), reader.limits.fetch_timeout_s
+            )
+        except TimeoutError:
+            raise CodecError(
+                f"the images could not be read within {reader.limits.fetch_timeout_s} s",
+                refs[0].param,
+            ) from None
+        return ids, [ImageInput(r.digest, r.pixel_values, s) for r, s in zip(read, starts)]

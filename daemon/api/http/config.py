@@ -28,3 +28,11 @@ class ServerConfig:
     response_store_max_count: int = 10_000  # 0 = keep none
     response_store_memory_gb: float = 0.5
     response_store_ttl_s: float = 3600.0
+    # a vision model's images, per request: how many, encoded bytes (each, all), pixels each;
+    # the URL schemes read (comma-separated: data, http, https; http(s) read the network)
+    image_max_count: int = 8
+    image_max_bytes: int = 10 * 2**20
+    image_max_total_bytes: int = 32 * 2**20
+    image_max_pixels: int = 4096 * 4096
+    image_url_schemes: str = "data"
+    image_fetch_timeout_s: float = 10.0

@@ -12,6 +12,7 @@ from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
 from daemon.loop.handoff import KVSource
+from daemon.loop.images import ImageSpan
 from daemon.loop.request import Request, RequestOutput
 
 
@@ -22,10 +23,11 @@ def submit_all(
     priority: int = 0,
     cache: CacheOptions = CacheOptions(),
     kv_source: KVSource | None = None,
+    images: list[ImageSpan] | None = None,
 ) -> list[Request]:
     """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503).
     `kv_source` (a routed request on a decode node): where the first job's prompt KV comes
-    from."""
+    from; `images`: the embeddings every job's prompt splices in."""
     reqs: list[Request] = []
     try:
         for i, (prompt_ids, params) in enumerate(jobs):
@@ -38,6 +40,7 @@ def submit_all(
                     traffic_class=cache.traffic_class,
                     cache_salt=cache.cache_salt,
                     kv_source=kv_source if i == 0 else None,
+                    images=images,
                 )
             )
     except RequestRejected as e:

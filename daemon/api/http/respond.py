@@ -11,10 +11,11 @@ from daemon.api.codecs.base import Answer, Call, Event
 from daemon.api.http import access
 from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.cluster_handoff import kv_source_for, routed_work
-from daemon.api.http.errors import anthropic_error_body, is_anthropic, unavailable
+from daemon.api.http.errors import anthropic_error_body, bad_request, is_anthropic, unavailable
 from daemon.api.http.fanout import FanOut, submit_all
 from daemon.api.http.sse import SSEWriter
-from daemon.loop.engine import Engine
+from daemon.loop.engine import Engine, RequestRejected
+from daemon.loop.images import EncoderFailed, ImageSpan
 from daemon.loop.request import FinishReason, Request
 
 log = structlog.get_logger(__name__)
@@ -23,11 +24,13 @@ log = structlog.get_logger(__name__)
 async def respond(
     request: web.Request, engine: Engine, call: Call, cache: CacheOptions
 ) -> web.StreamResponse:
+    images = await _image_spans(engine, call)  # before the answer: nothing to close yet
     answer = call.answer()
     try:
         with routed_work(request):  # a role change waits for what it counts
-            source = kv_source_for(request, len(call.jobs), cache)
-            reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source)
+            # a prompt with images is computed here (a handoff would need its images there)
+            source = None if images else kv_source_for(request, len(call.jobs), cache)
+            reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source, images)
             try:
                 if call.stream:
                     return await _stream(request, engine, reqs, call.id, answer)
@@ -36,6 +39,19 @@ async def respond(
                 access.note(request, call.id, reqs, call.stream)
     finally:
         answer.close()
+
+
+async def _image_spans(engine: Engine, call: Call) -> list[ImageSpan]:
+    """The embeddings of the call's images; text-only calls never wait for an encoder."""
+    if not call.images:
+        return []
+    try:
+        return await engine.encode_images(call.images)
+    except RequestRejected as e:
+        raise bad_request(str(e), e.param) from None
+    except EncoderFailed as e:
+        log.warning("image_encoding_failed", request_id=call.id, error=str(e))
+        raise unavailable("the images could not be encoded; try again", retry_after_s=1) from None
 
 
 async def _whole(engine: Engine, reqs: list[Request], answer: Answer) -> web.Response:

@@ -14,11 +14,13 @@ from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.codecs.constraints import Constraints
 from daemon.api.codecs.dense_chat import DenseChatCodec
+from daemon.api.codecs.images import ImageLimits, ImageReader
 from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCodec
 from daemon.api.codecs.recipe.conversation import ConversationCodec
 from daemon.api.codecs.response_store import ResponseStore
 from daemon.api.http import (
     admin_http,
+    cluster_encode,
     cluster_handoff,
     completions,
     conversations,
@@ -39,6 +41,7 @@ from daemon.build.startup import failing_as
 from daemon.cluster.live_role import RoleChanger
 from daemon.loop.engine import Engine
 from daemon.loop.metrics import EngineMetrics
+from daemon.models.base import VisionLanguageModel
 
 log = structlog.get_logger(__name__)
 
@@ -64,11 +67,13 @@ def create_app(
     model_dir: Path | None = None,
     handoff: HandoffConfig | None = None,
     role_change: RoleChanger | None = None,
+    image_encoder: bool = False,
 ) -> web.Application:
     """`metrics`: the engine's request observer (what /metrics serves); `model_dir` (the
     checkpoint) supplies the chat template of non-DeepSeek families; `handoff`: a prefill or
     decode node's part in KV handoffs; `role_change`: its live role change (the admin HTTP
-    call's, served when `server_cfg.admin_token` is set)."""
+    call's, served when `server_cfg.admin_token` is set); `image_encoder`: serve image
+    embeddings to other nodes (`--role encoder`)."""
     store = ResponseStore(
         server_cfg.response_store_max_count,
         int(server_cfg.response_store_memory_gb * 2**30),
@@ -99,6 +104,8 @@ def create_app(
         cluster_handoff.register(app, handoff)
     if server_cfg.admin_token:
         admin_http.register(app, server_cfg.admin_token, role_change)
+    if image_encoder:
+        cluster_encode.register(app)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(_start_engine)
     app.on_shutdown.append(_stopping)
@@ -134,8 +141,28 @@ def _codecs(
     )
     if template is None:
         return Codecs(completions, constraints=constraints)
-    chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len)
+    images = _image_reader(engine, server_cfg, model_dir)
+    chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len, images)
     return Codecs(completions, {CHAT.name: chat}, chat_template=template, constraints=constraints)
+
+
+def image_limits(cfg: ServerConfig) -> ImageLimits:
+    return ImageLimits(
+        max_images=cfg.image_max_count,
+        max_bytes=cfg.image_max_bytes,
+        max_total_bytes=cfg.image_max_total_bytes,
+        max_pixels=cfg.image_max_pixels,
+        schemes=tuple(s.strip() for s in cfg.image_url_schemes.split(",") if s.strip()),
+        fetch_timeout_s=cfg.image_fetch_timeout_s,
+    )
+
+
+def _image_reader(engine: Engine, cfg: ServerConfig, model_dir: Path | None) -> ImageReader | None:
+    """A vision model's image reader (its checkpoint's image processor); None for others."""
+    model = engine.runner.model
+    if model_dir is None or engine.images is None or not isinstance(model, VisionLanguageModel):
+        return None
+    return ImageReader.load(model_dir, image_limits(cfg), model.image_token_id, model.image_tokens)
 
 
 def is_deepseek_v4(model: object) -> bool:

@@ -1,0 +1,203 @@
+"""A request's images: their sources read (data URLs; other schemes only where the settings
+allow them, through deepseek-recipe's fetcher), held to the limits, decoded and preprocessed by
+the model's own image processor."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.api.codecs.base import CodecError
+
+SCHEMES = ("data", "http", "https")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = 8  # per request
+    max_bytes: int = 10 * 2**20  # per image, encoded
+    max_total_bytes: int = 32 * 2**20  # per request, encoded
+    max_pixels: int = 4096 * 4096  # per image, width x height
+    schemes: tuple[str, ...] = ("data",)  # URL schemes read; http(s) fetch from the network
+    fetch_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    url: str
+    param: str  # where the request has it, e.g. messages[0].content[1]
+
+
+@dataclass(frozen=True)
+class ReadImage:
+    digest: bytes  # sha256 of the image's bytes
+    pixel_values: torch.Tensor  # [3, H, W]
+
+
+class ImageReader:
+    """Reads a request's image references into preprocessed images (blocking: in a thread).
+
+    The placeholder count per image is the MODEL's (its processor expands one image token into
+    `image_tokens`), not deepseek-recipe's image token calculation, which is DeepSeek-V4's."""
+
+    def __init__(
+        self, processor: Any, limits: ImageLimits, image_token_id: int, image_tokens: int
+    ) -> None:
+        self.processor = processor
+        self.limits = limits
+        self.image_token_id = image_token_id
+        self.image_tokens = image_tokens
+        self._fetcher: Any = None
+        if set(limits.schemes) - {"data"}:  # the network only where the settings allow it
+            from deepseek_recipe import ReqwestImageFetcher
+
+            self._fetcher = ReqwestImageFetcher.with_max_bytes(limits.max_bytes)
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, limits: ImageLimits, image_token_id: int, image_tokens: int
+    ) -> ImageReader | None:
+        """None where the checkpoint has no image processor (preprocessor_config.json)."""
+        if not (model_dir / "preprocessor_config.json").is_file():
+            return None
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        return cls(
+            CLIPImageProcessorPil.from_pretrained(model_dir), limits, image_token_id, image_tokens
+        )
+
+    def check_count(self, refs: list[ImageRef]) -> None:
+        if len(refs) > self.limits.max_images:
+            raise CodecError(
+                f"the request has {len(refs)} images; at most {self.limits.max_images} are allowed",
+                refs[self.limits.max_images].param,
+            )
+
+    def read(self, refs: list[ImageRef]) -> list[ReadImage]:
+        self.check_count(refs)
+        total = 0
+        out = []
+        for ref in refs:
+            data = self._bytes(ref)
+            total += len(data)
+            if total > self.limits.max_total_bytes:
+                raise CodecError(
+                    f"the request's images exceed {self.limits.max_total_bytes} bytes", ref.param
+                )
+            out.append(ReadImage(hashlib.sha256(data).digest(), self._pixels(data, ref)))
+        return out
+
+    def _bytes(self, ref: ImageRef) -> bytes:
+        scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
+        if scheme not in self.limits.schemes:
+            allowed = ", ".join(self.limits.schemes)
+            raise CodecError(
+                f"image URLs with scheme {scheme or '(none)'!r} are not read here "
+                f"(allowed: {allowed})",
+                ref.param,
+            )
+        data = _data_url(ref) if scheme == "data" else self._fetch(ref)
+        if len(data) > self.limits.max_bytes:
+            raise CodecError(
+                f"the image has {len(data)} bytes; at most {self.limits.max_bytes} are allowed",
+                ref.param,
+            )
+        return data
+
+    def _fetch(self, ref: ImageRef) -> bytes:
+        from deepseek_recipe import ImageError
+
+        try:
+            return self._fetcher.fetch(ref.url)
+        except ImageError as e:
+            raise CodecError(f"the image could not be fetched: {e}", ref.param) from None
+
+    def _pixels(self, data: bytes, ref: ImageRef) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+
+        undecodable = CodecError(
+            "the image could not be decoded (png, jpeg, gif and webp are read)", ref.param
+        )
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+            raise undecodable from None
+        w, h = image.size
+        if w * h > self.limits.max_pixels:
+            raise CodecError(
+                f"the image has {w}x{h} pixels; at most {self.limits.max_pixels} are allowed",
+                ref.param,
+            )
+        try:
+            image = image.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError):
+            raise undecodable from None
+        pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+        return pixels[0].float()
+
+
+def _data_url(ref: ImageRef) -> bytes:
+    """A data URL's body: base64, or percent-encoded."""
+    header, sep, body = ref.url.partition(",")
+    if not sep or not header.lower().startswith("data:"):
+        raise CodecError("a data URL needs the form data:[<type>][;base64],<data>", ref.param)
+    if header.lower().endswith(";base64"):
+        try:
+            return base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            raise CodecError("the data URL's base64 body is invalid", ref.param) from None
+    return urllib.parse.unquote_to_bytes(body)
+
+
+def chat_image_refs(body: dict[str, Any]) -> list[ImageRef]:
+    """The `image_url` parts of Chat Completions messages, in order."""
+    refs = []
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return refs
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            param = f"messages[{i}].content[{j}].image_url"
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise CodecError("an image_url part needs a 'url' string", param)
+            refs.append(ImageRef(url, param))
+    return refs
+
+
+def expand_placeholders(
+    ids: list[int], token: int, per_image: int, images: int, param: str = "messages"
+) -> tuple[list[int], list[int]]:
+    """Each of the prompt's image tokens as `per_image` of them (as the model's processor
+    does); returns the ids and each image's first position. The prompt must hold exactly one
+    image token per image (text that spells the token is refused)."""
+    found = ids.count(token)
+    if found != images:
+        raise CodecError(
+            f"the prompt holds {found} image placeholders for {images} images (the text may "
+            "not spell the model's image token)",
+            param,
+        )
+    out: list[int] = []
+    starts: list[int] = []
+    for t in ids:
+        if t == token:
+            starts.append(len(out))
+            out.extend([token] * per_image)
+        else:
+            out.append(t)
+    return out, starts

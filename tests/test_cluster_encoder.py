@@ -1,0 +1,109 @@
+"""The encoder role on real daemon processes: a node whose images are encoded by an encoder node
+(`--role encoder`, found in the node's registry) answers as a single node encoding its own; a
+dead encoder is passed over for the next; with none left, a 503 in OpenAI's shape, while
+text-only requests never wait."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import APIStatusError, OpenAI
+
+from daemon.service.live_server import free_port
+from tests.daemons import spawn, wait_healthy
+from tests.test_api_images import NAME, data_url, messages, png
+
+
+def node_args(model: Path, *extra: str) -> list[str]:
+    # fmt: off
+    return [
+        "--model", str(model), "--served-model-name", NAME, "--kv-cache-memory-gb", "0.02",
+        "--max-num-seqs", "4", "--max-model-len", "512", "--no-kv-store", "--enforce-eager",
+        "--log-format", "json", *extra,
+    ]
+    # fmt: on
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f"deepinfer:{name}_total ") or line.startswith(f"deepinfer:{name} "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_registered(registry: str, url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(registry + "/cluster/v1/nodes?role=encoder", timeout=5) as r:
+            if any(n["url"] == url for n in json.loads(r.read())["data"]):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not register as an encoder at {registry}")
+
+
+def answer(url: str, image: bytes):
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=messages(data_url(image)),
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    return [(t.token, round(t.logprob, 4)) for t in r.choices[0].logprobs.content]
+
+
+def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir, tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    enc_port, node_port = free_port(), free_port()
+    enc, node = f"http://127.0.0.1:{enc_port}", f"http://127.0.0.1:{node_port}"
+    # the node is its own registry (a seed peer); the encoder registers there, and is found
+    # after the dead one the settings name
+    prefill_args = node_args(
+        llava_chat_dir,
+        *("--image-encoders", dead, "--image-encode-timeout-s", "5", "--peers", node),
+    )
+    enc_args = node_args(llava_chat_dir, "--role", "encoder", "--peers", node)
+    # both start at once: a node asks for its encoders only when an image comes
+    proc = spawn(enc_port, enc_args, tmp_path / "enc.log")
+    node_proc = spawn(node_port, prefill_args, tmp_path / "node.log")
+    try:
+        wait_healthy(enc, proc, 120)
+        wait_healthy(node, node_proc, 120)
+        wait_registered(node, enc)
+        image = png(7)
+        remote = answer(node, image)  # the dead encoder first, then the live one
+        assert metric(node, "images_encoded") == 1  # by the cache's count, remotely
+        assert metric(enc, "images_encoded") == 1
+        single = answer(enc, image)  # the encoder node as a single node: its own tower
+        assert metric(enc, "images_encoded") == 1  # found in its cache by content hash
+        assert remote == single
+        other = answer(enc, png(8))  # a different image changes the answer
+        assert other != single
+        assert answer(node, png(8)) == other
+        proc.terminate()
+        proc.wait(timeout=15)
+        client = OpenAI(base_url=node + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(APIStatusError) as e:
+            client.chat.completions.create(
+                model=NAME, messages=messages(data_url(png(9))), max_tokens=2
+            )
+        assert e.value.status_code == 503
+        assert "could not be encoded" in e.value.body["message"]
+        assert answer(node, image) == remote  # cached here: no encoder needed
+        text = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert text.choices[0].finish_reason in ("length", "stop")
+    finally:
+        for p in (proc, node_proc):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=15)
