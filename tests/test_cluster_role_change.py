@@ -88,7 +88,12 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     try:
         for k, proc in procs.items():
             wait_healthy(urls[k], proc, 120)
-        _until(lambda: _get(urls["router"] + "/health")["nodes"] == {"prefill": 1, "decode": 1})
+        _until(
+            lambda: (
+                _get(urls["router"] + "/health")["nodes"]
+                == {"prefill": 1, "decode": 1, "unified": 0}
+            )
+        )
         yield {"urls": urls, "procs": procs, "tmp": tmp}
     finally:
         for proc in procs.values():
