@@ -40,7 +40,7 @@ def test_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"role": "encoder"}, "role"),
+        ({"role": "gateway"}, "role"),
         ({"node_id": ""}, "node_id"),
         ({"url": "127.0.0.1:8000"}, "url"),
         ({"epoch": -1}, "epoch"),
