@@ -18,7 +18,8 @@ from daemon.sim.result import summarize
 from daemon.sim.trace import read_trace
 from tests.sim_traces import ceiling, conversations, table, write_trace
 
-REAL_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+# the shared traces sit beside the checkout (../shared), as the README says
+REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/conversation_trace.jsonl"
 MB = 2**20
 
 

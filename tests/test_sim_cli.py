@@ -136,7 +136,6 @@ def test_a_bad_trace_line_is_named(tmp_path: Path) -> None:
     assert "trace.jsonl:1" in done.stderr and "cover fewer than 600" in done.stderr
 
 
-@pytest.mark.skipif(not CPU_TABLE.exists(), reason="no CPU table shipped")
 def test_the_shipped_cpu_table_says_where_and_when() -> None:
     table = CostTable.load(CPU_TABLE)
     p = table.provenance
