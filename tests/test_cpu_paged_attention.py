@@ -148,3 +148,23 @@ def test_paged_attention_uses_the_op_beside_prefill_chunks(
     want = run()
     torch.testing.assert_close(got[:3].float(), want[:3].float(), **TOLERANCE[dtype])
     assert torch.equal(got[3:], want[3:])  # prefill chunks take the same torch path
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("n,ctx", [(7, 7), (5, 23), (1, 16)])
+def test_the_accelerator_form_of_chunk_attention_equals_the_plain_one(
+    heads: tuple[int, int], n: int, ctx: int
+) -> None:
+    """Repeated KV heads and a lower-right causal bias (what flash kernels take) give what the
+    boolean mask and enable_gqa give; checked on the CPU, where both forms run."""
+    from daemon.models.attention import chunk_attention
+
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(n * 100 + ctx)
+    q = torch.randn(hq, n, 16, generator=g)
+    k, v = torch.randn(2, hkv, ctx, 16, generator=g).unbind(0)
+    q_pos = torch.arange(ctx - n, ctx)
+    mask = None if n == ctx else torch.arange(ctx)[None, :] <= q_pos[:, None]
+    plain = chunk_attention(q, k, v, mask, 0.25, fused=False)
+    fused = chunk_attention(q, k, v, mask, 0.25, fused=True)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

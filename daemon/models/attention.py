@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from daemon.kv.spec import FullAttentionSpec
 from daemon.models.base import KVExport, RequestState, SeqSlice
@@ -185,7 +186,6 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Writes k, v, returns [T, Hq, D]."""
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
-    gqa = q.shape[1] != k.shape[1]
     b = batch.num_decodes
     decoded = None
     if b and paged_attention_cpu.supports(q, k_cache):
@@ -218,14 +218,37 @@ def paged_attention(
         if p.kv_index is None:
             ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
             vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
         else:
             ks = k_cache.index_select(0, p.kv_index).transpose(0, 1)
             vs = v_cache.index_select(0, p.kv_index).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=p.mask, scale=scale, enable_gqa=gqa
-            )
+        o = chunk_attention(qs, ks, vs, p.mask, scale)
         out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
     return out
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    fused: bool | None = None,
+) -> torch.Tensor:
+    """One prefill chunk: q [Hq, n, D] over k, v [Hkv, ctx, D], causal with the chunk at the
+    end of its context (`mask` [n, ctx], None where n == ctx). `fused` (default: on an
+    accelerator) gives SDPA what its flash / memory-efficient kernels take: KV heads repeated
+    for GQA, the causal mask as a lower-right bias (not a boolean tensor), 4-d tensors. On an
+    H200 the plain call ran the math kernel: an 8K-token prefill of a Llama-8B shape took
+    2.0 s, 0.28 s fused. The CPU keeps the plain call (no copies of K and V)."""
+    gqa = q.shape[0] != k.shape[0]
+    if not (q.device.type != "cpu" if fused is None else fused):
+        causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, **causal)
+    if gqa:
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    q, k, v = q[None], k[None], v[None]  # the fused kernels take 4-d tensors only
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0]
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)[0]

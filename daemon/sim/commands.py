@@ -20,6 +20,7 @@ from daemon.sim.trace import TraceError, TraceRequest, read_trace
 
 if TYPE_CHECKING:
     from daemon.sim.cluster import ClusterConfig
+    from daemon.sim.profile import ProfileGrid
 
 TABLES = Path(__file__).parent / "tables"
 CPU_TABLE = TABLES / "cpu-smollm2.json"
@@ -32,13 +33,22 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a tiny grid (seconds; for tests, not for use)"
     )
     p.add_argument("--note", default="", help="kept in the table's provenance")
+    for name, help_ in (
+        ("prefill-tokens", "prefill chunk sizes measured"),
+        ("prefill-context", "positions before a prefill chunk"),
+        ("decode-seqs", "decode batch sizes measured"),
+        ("decode-context", "positions before each decode"),
+    ):
+        p.add_argument(
+            f"--{name}", type=int, nargs="+", default=None, help=f"{help_} (default: ProfileGrid's)"
+        )
 
 
 def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     from daemon.build.engine import build_engine
-    from daemon.sim.profile import QUICK, ProfileError, ProfileGrid, profile
+    from daemon.sim.profile import ProfileError, profile
 
-    grid = QUICK if args.quick else ProfileGrid()
+    grid = _grid(args)
     cfg = dataclasses.replace(
         engine_cfg,
         kv_store_dir=None,  # the profile measures a store of its own, in a temporary directory
@@ -62,8 +72,20 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     return 0
 
 
+def _grid(args: argparse.Namespace) -> ProfileGrid:
+    """The grid to measure: the quick one or the default, each axis replaced where given
+    (a larger device wants larger batches and longer contexts than the CPU's default)."""
+    from daemon.sim.profile import QUICK, ProfileGrid
+
+    grid = QUICK if args.quick else ProfileGrid()
+    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context")
+    given = {a: tuple(sorted(set(v))) for a in axes if (v := getattr(args, a, None))}
+    return dataclasses.replace(grid, **given)
+
+
 def _kv_bytes_per_token(cfg: EngineConfig) -> float:
-    """At most what a token of the model's KV takes (fp32; the grid's KV budget from it)."""
+    """At most what a token of the model's KV takes (the grid's KV budget from it): in the
+    dtype asked for, fp32 where that is `auto`."""
     from daemon.build.demo import model_path
     from daemon.models.loader import ModelLoadError, read_config
 
@@ -73,7 +95,8 @@ def _kv_bytes_per_token(cfg: EngineConfig) -> float:
         return 0.0  # build_engine says what is wrong with the model
     layers, heads = hf.get("num_hidden_layers", 1), hf.get("num_attention_heads", 1)
     head_dim = hf.get("head_dim") or hf.get("hidden_size", 64) // heads
-    return 2 * layers * hf.get("num_key_value_heads", heads) * head_dim * 4
+    itemsize = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    return 2 * layers * hf.get("num_key_value_heads", heads) * head_dim * itemsize
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:

@@ -199,12 +199,21 @@ def _grouped_mm_works(device_type: str) -> bool:
     return True
 
 
+def _grouped_mm_native(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes `x` on its own kernel. On CUDA that is bf16 only: other
+    dtypes fall back to a loop over the groups that reads their ends on the host, which a CUDA
+    graph cannot capture (seen on an H200) and the Triton kernel does without."""
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return _grouped_mm_works(x.device.type)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """x [N, in] sorted by group, group e = rows ends[e-1]..ends[e] (int32); weight [E, out, in]
     -> [N, out], each group through its own weight. Where torch has no grouped GEMM for the
     device and dtype, CUDA runs the Triton kernel (no host sync: graph-capturable; "meta",
     a shape-only device, its fake) and a CPU one linear per group."""
-    if _grouped_mm_works(x.device.type):
+    if _grouped_mm_native(x):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
     if use_triton(x.device):
         return grouped_linear_fused(x, weight, ends)
