@@ -1,7 +1,7 @@
-"""The compiled CPU decode forward (daemon/models/compiled.py): greedy outputs equal the eager
-engine's, alone and batched, across batch sizes and KV widths, with mixed steps (eager) between
-them and prefix-cache hits; one graph compiled at start and none after; inductor's code kept
-under deepinfer's cache directory."""
+"""The compiled CPU forward (daemon/models/compiled.py): greedy outputs equal the eager
+engine's, alone and batched, across batch sizes and KV widths, with mixed steps (compiled
+halves around the eager attention) between them and prefix-cache hits; the graphs compiled at
+start and none after; inductor's code kept under deepinfer's cache directory."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class Run:
     batched: list[list[int]]
     alone: list[list[int]]  # each prompt again: prefix-cache hits on the blocks written before
     graphs: type | None = None
-    compiled_steps: list[tuple[int, int]] = field(default_factory=list)  # (batch, KV blocks)
+    # (decodes, KV blocks, prefill chunks) of each step the compiled forward ran
+    compiled_steps: list[tuple[int, int, int]] = field(default_factory=list)
     graphs_at_start: int = 0  # graphs dynamo made while the engine was built
     graphs_serving: int = 0  # ... and while it served
 
@@ -47,14 +48,14 @@ def _serve(checkpoint: Path, prompts: list[list[int]], eager: bool) -> Run:
     )
     built = counters["stats"]["unique_graphs"]
     graphs = engine.runner.graphs
-    steps: list[tuple[int, int]] = []
+    steps: list[tuple[int, int, int]] = []
     if graphs is not None:
         run = graphs.run
 
         def spy(input_ids, positions, batch):
             hidden = run(input_ids, positions, batch)
             if hidden is not None:
-                steps.append((batch.num_decodes, batch.decode_tables.shape[1]))
+                steps.append((batch.num_decodes, batch.decode_tables.shape[1], len(batch.prefills)))
             return hidden
 
         graphs.run = spy
@@ -112,15 +113,22 @@ def test_compiled_tokens_equal_eager(runs: tuple[Run, Run]) -> None:
 
 def test_compiled_steps_span_batches_and_widths(runs: tuple[Run, Run]) -> None:
     """Batch 1 and larger batches, narrow and wide KV, all through the compiled forward."""
-    steps = runs[1].compiled_steps
+    steps = [(b, w) for b, w, chunks in runs[1].compiled_steps if not chunks]
     assert {b for b, _ in steps} >= {1, MAX_NUM_SEQS} and len({b for b, _ in steps}) > 2
     assert min(w for _, w in steps) == 1 and max(w for _, w in steps) >= 8
 
 
+def test_steps_with_prefill_chunks_run_compiled(runs: tuple[Run, Run]) -> None:
+    """Prefill-only steps and prefill chunks beside decodes, through the compiled halves."""
+    mixed = [(b, chunks) for b, _, chunks in runs[1].compiled_steps if chunks]
+    assert any(b == 0 for b, _ in mixed) and any(b > 0 for b, _ in mixed)
+    assert max(chunks for _, chunks in mixed) > 1
+
+
 def test_graphs_are_made_at_start_only(runs: tuple[Run, Run]) -> None:
-    """The warm-up makes the one graph; serving makes none."""
+    """The warm-up makes the decode graph and the two halves'; serving makes none."""
     compiled = runs[1]
-    assert compiled.graphs_at_start == 1
+    assert compiled.graphs_at_start == 3
     assert compiled.graphs_serving == 0
 
 

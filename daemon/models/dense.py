@@ -99,6 +99,13 @@ class Attention(nn.Module):
         batch: AttentionBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
+        return self.o_proj(self.attend(q, k, v, batch, kv_cache))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of the normed input, RoPE applied."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -106,9 +113,19 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+        return self.rope.apply(q, positions), self.rope.apply(k, positions), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Writes k, v to the cache; the heads' outputs [T, Hq * D] (before o_proj)."""
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(q.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -130,7 +147,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, batch, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
+        q, k, v = self.attention_in(x, positions)
+        return self.attention_out(x, self.self_attn.attend(q, k, v, batch, kv_cache))
+
+    def attention_in(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: q, k, v of the normed input."""
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def attention_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention (`o`: the heads' outputs): o_proj, the residual, MLP."""
+        x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
