@@ -134,3 +134,16 @@ def test_window_inputs_from_heartbeats():
     assert w.decode_kv_util == 0.75  # the draining node is left out
     assert (w.prefill_queue, w.decode_queue, w.count("decode")) == (3, 1, 1)
     assert w.nodes[1] == NodeLoad("d0", "decode", running=4, waiting=1)
+
+
+def test_when_both_sides_are_late_the_queues_say_which_is_short():
+    # a full decode node: its queued requests are late to their first token too, so TTFT is
+    # over target as well as the decode side; the prefill nodes hold no queue
+    a = Autoscaler(T)
+    d = a.decide(window(ttft=4.0, tpot=0.05, dq=20, ns=nodes(prefill=3, decode=1)))
+    assert (d.kind, d.node_id) == ("prefill_to_decode", "p0")
+    assert d.prefill_pressure > T.up and d.decode_pressure > T.up
+    d = a.decide(window(ttft=4.0, tpot=0.3, pq=40, ns=nodes(prefill=1, decode=3)))
+    assert d.kind == "decode_to_prefill"
+    # both queued (or neither): no side has headroom
+    assert a.decide(window(ttft=4.0, tpot=0.3, pq=40, dq=40)).reason.startswith("both sides")
