@@ -128,13 +128,11 @@ class Autoscaler:
         elif prefill > t.up and decode < t.down:
             kind = "decode_to_prefill"
         elif prefill > t.up and decode > t.up:
-            # a TTFT counts the wait for a decode slot too (a request waiting on a full decode
-            # node is late on both sides): where the requests queue says which side is short
-            queued_prefill, queued_decode = queue_pressures(inputs, t)
-            if queued_decode > t.up and queued_prefill < t.down:
+            # a TTFT counts the wait for a decode slot or KV too (a request waiting on a full
+            # decode node is late on both sides); the decode signals are the decode side's
+            # own. So with no queue on the prefill nodes the decode side is the one short.
+            if queue_pressures(inputs, t)[0] < t.down:
                 kind = "prefill_to_decode"
-            elif queued_prefill > t.up and queued_decode < t.down:
-                kind = "decode_to_prefill"
             else:
                 return hold("both sides over target: no headroom to move")
         else:
