@@ -27,7 +27,7 @@ import torch
 
 from bench.autoscale import spawn
 from bench.cpu_quota import CpuQuota
-from daemon.models.checkpoints import copy_tokenizer, make_llava_checkpoint
+from daemon.models.checkpoints import make_llava_checkpoint
 from daemon.service.live_server import free_port
 
 NAME = "llava"
@@ -41,11 +41,10 @@ TEXT = "Describe each of these pictures in turn, with what is in it and where, p
 
 def checkpoint(args, root: Path) -> Path:
     path = make_llava_checkpoint(
-        root / "llava", image_token_id=IMAGE_TOKEN, image_size=args.image_size,
-        patch_size=args.patch_size, vision_hidden=args.vision_hidden,
-        vision_layers=args.vision_layers,
+        root / "llava", image_token_id=IMAGE_TOKEN, with_tokenizer=True,
+        image_size=args.image_size, patch_size=args.patch_size,
+        vision_hidden=args.vision_hidden, vision_layers=args.vision_layers,
     )  # fmt: skip
-    copy_tokenizer(path)
     cfg_path = path / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg_path.write_text(json.dumps(cfg | {"chat_template": TEMPLATE}))
