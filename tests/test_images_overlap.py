@@ -1,7 +1,8 @@
 """A request's text before its first image prefills while its images encode: the engine stops
 at the first placeholder until `images_ready`, then answers exactly as when the embeddings
-came first; a prompt whose text is cached up to the image waits unadmitted; through the HTTP
-server (which now submits before encoding) the answer is unchanged."""
+came first; a prompt whose text is cached up to the image waits unadmitted. (The HTTP path,
+which now submits before the images are encoded: tests/test_api_images.py and
+tests/test_cluster_encoder.py.)"""
 
 from __future__ import annotations
 
@@ -88,21 +89,9 @@ async def test_text_prefills_while_the_images_encode(llava_chat_dir: Path) -> No
         text = engine.add_request(list(range(5, 40)), GREEDY, "text")
         assert len(await asyncio.wait_for(answer(engine, text), 30)) == 4
         assert not held.finished
-        engine.abort(held.request_id)
-    finally:
-        await engine.stop()
-
-
-async def test_images_ready_checks_the_images(llava_chat_dir: Path) -> None:
-    cfg = EngineConfig(model=str(llava_chat_dir), kv_cache_memory_gb=0.02, max_model_len=512)
-    engine, _ = build_engine(cfg)
-    await engine.start()
-    try:
-        ids, image = prompt_and_image(llava_chat_dir, 5)
-        req = engine.add_request(ids, GREEDY, "a", awaiting=[image])
-        other = ImageInput(b"\0" * 32, image.pixel_values, image.start)
+        # embeddings of another image are refused
         with pytest.raises(ValueError, match="not the images"):
-            engine.images_ready(req, await engine.encode_images([other]))
-        engine.abort(req.request_id)
+            engine.images_ready(held, spans)
+        engine.abort(held.request_id)
     finally:
         await engine.stop()
