@@ -146,7 +146,9 @@ def test_when_both_sides_are_late_an_idle_prefill_queue_gives_a_node_to_decode()
     assert a.decide(window(ttft=4.0, kv=0.95, ns=nodes(prefill=3, decode=1))).kind == (
         "prefill_to_decode"
     )
-    # prefill queued as well: both are short, nothing moves (above all not the decode side's
-    # KV-full node away: its TTFT is not the prefill side's to claim)
+    # prefill queued as well, even a little: both are short, nothing moves (above all not
+    # the decode side's KV-full node away: its TTFT is not the prefill side's to claim)
     assert a.decide(window(ttft=4.0, kv=0.95, pq=40)).reason.startswith("both sides")
+    few = window(ttft=16.0, kv=0.98, pq=4, ns=nodes(prefill=3, decode=1))
+    assert a.decide(few).reason.startswith("both sides")
     assert a.decide(window(ttft=4.0, tpot=0.3, pq=40, dq=40)).reason.startswith("both sides")

@@ -130,8 +130,10 @@ class Autoscaler:
         elif prefill > t.up and decode > t.up:
             # a TTFT counts the wait for a decode slot or KV too (a request waiting on a full
             # decode node is late on both sides); the decode signals are the decode side's
-            # own. So with no queue on the prefill nodes the decode side is the one short.
-            if queue_pressures(inputs, t)[0] < t.down:
+            # own. So with nothing queued on the prefill nodes the decode side is the one
+            # short. (Any queue there: both are; a measured run flapped when a few per node
+            # counted as none.)
+            if inputs.prefill_queue == 0:
                 kind = "prefill_to_decode"
             else:
                 return hold("both sides over target: no headroom to move")
