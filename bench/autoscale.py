@@ -5,8 +5,12 @@ and TPOT within their targets, measured by the client), failed requests, node-se
 The nodes run eager (no compiled decode forward): four of them compiling at once on a small
 machine take minutes to start, and the roles, not the kernels, are under test.
 
-    python -m bench.autoscale [--phase-s 40 --rate-prefill 2 --rate-decode 4 --json F]
-        [--sim-table T.json]  # the same shift in the simulator (daemon/sim/pd.py), same policy
+`--node-cpus C` gives each daemon a CPU quota of its own (a cgroup; root): on one small
+machine an idle node's cores would otherwise go to the busy ones, so moving a node would add
+no capacity; with a quota each node is as a machine of C cores.
+
+    python -m bench.autoscale [--node-cpus 0.4 --phase-s 40 --rate-prefill 2 --rate-decode 4
+        --json F] [--sim-table T.json]  # the same shift in the simulator (bench/autoscale_sim.py)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -26,30 +31,43 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import ModelSpec, make_checkpoint, percentile
+from bench.cpu_quota import CpuQuota
 from daemon.service.live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-autoscale-token"
 NAME = "tiny"
+ROLES = ("prefill", "prefill", "decode", "decode")
+
+
+@dataclass
+class Sample:
+    phase: int
+    sent_s: float  # from the first request
+    ttft_s: float | None = None  # None: failed
+    tpot_s: float | None = None
 
 
 @dataclass
 class Result:
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
-    met: int = 0
-    failed: int = 0
+    samples: list[Sample] = field(default_factory=list)
     node_seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    roles: list[tuple[float, dict[str, str]]] = field(default_factory=list)  # (s, node -> role)
+    metrics: list[str] = field(default_factory=list)
 
 
-def spawn(port: int, args: list[str], log: Path) -> subprocess.Popen:
-    env = os.environ | {
-        "DEEPINFER_SERVER_ADMIN_TOKEN": TOKEN,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    }
+def checkout_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return os.environ | {"DEEPINFER_SERVER_ADMIN_TOKEN": TOKEN, "PYTHONPATH": path}
+
+
+def spawn(port: int, args: list[str], log: Path, quota: CpuQuota | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "daemon", "serve", "--port", str(port), *args]
     with log.open("wb") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=checkout_env(), stdout=f, stderr=subprocess.STDOUT,
+            preexec_fn=quota.join if quota else None,
+        )  # fmt: skip
 
 
 async def wait_nodes(http: aiohttp.ClientSession, router: str, n: int, timeout: float) -> None:
@@ -65,9 +83,11 @@ async def wait_nodes(http: aiohttp.ClientSession, router: str, n: int, timeout: 
     raise SystemExit("the nodes did not register")
 
 
-async def one(http: aiohttp.ClientSession, router: str, prompt: int, out: int, args, res: Result):
+async def one(http: aiohttp.ClientSession, router: str, prompt: int, out: int, s: Sample) -> None:
+    # a prompt of its own (no prefix-cache hit): seeded by the send time
+    rng = random.Random(s.sent_s)
     body = {
-        "model": NAME, "prompt": list(range(100, 100 + prompt)), "max_tokens": out,
+        "model": NAME, "prompt": [rng.randrange(10, 4000) for _ in range(prompt)], "max_tokens": out,
         "temperature": 0, "ignore_eos": True, "stream": True,
     }  # fmt: skip
     start = time.monotonic()
@@ -76,37 +96,34 @@ async def one(http: aiohttp.ClientSession, router: str, prompt: int, out: int, a
     try:
         async with http.post(router + "/v1/completions", json=body) as r:
             if r.status != 200:
-                res.failed += 1
                 return
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     if b'"error"' in line:
-                        res.failed += 1
                         return
                     now = time.monotonic()
                     first = first or now
                     last, tokens = now, tokens + 1
     except (aiohttp.ClientError, TimeoutError):
-        res.failed += 1
         return
-    if first is None or tokens < out:
-        res.failed += 1
+    if first is None or last is None or tokens < out:
         return
-    ttft = first - start
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    res.ttft.append(ttft)
-    res.tpot.append(tpot)
-    res.met += ttft <= args.ttft_s and tpot <= args.tpot_s
+    s.ttft_s = first - start
+    s.tpot_s = (last - first) / (tokens - 1) if tokens > 1 else 0.0
 
 
-async def poll_roles(http: aiohttp.ClientSession, router: str, res: Result) -> None:
+async def poll_roles(http: aiohttp.ClientSession, router: str, res: Result, t0: float) -> None:
     while True:
         try:
             async with http.get(router + "/cluster/v1/nodes") as r:
-                for n in (await r.json())["data"]:
-                    if n["role"] in res.node_seconds:
-                        res.node_seconds[n["role"]] += 1.0
-        except (aiohttp.ClientError, OSError, ValueError):
+                nodes = (await r.json())["data"]
+            for n in nodes:
+                if n["role"] in res.node_seconds:
+                    res.node_seconds[n["role"]] += 1.0
+            roles = {n["node_id"]: n["role"] for n in nodes}
+            if not res.roles or res.roles[-1][1] != roles:
+                res.roles.append((round(time.monotonic() - t0, 1), roles))
+        except (aiohttp.ClientError, OSError, ValueError, KeyError):
             pass
         await asyncio.sleep(1.0)
 
@@ -116,20 +133,39 @@ async def drive(router: str, args) -> Result:
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         await wait_nodes(http, router, 4, 600)
-        poller = asyncio.create_task(poll_roles(http, router, res))
+        t0 = time.monotonic()
+        poller = asyncio.create_task(poll_roles(http, router, res, t0))
         tasks = []
-        for rate, prompt, out in phases(args):
-            for _ in range(int(args.phase_s * rate)):
-                tasks.append(asyncio.create_task(one(http, router, prompt, out, args, res)))
-                await asyncio.sleep(1 / rate)
+        for k, (rate, prompt, out) in enumerate(phases(args)):
+            for i in range(int(args.phase_s * rate)):
+                # on a fixed schedule: a slow client loop does not thin the load
+                delay = t0 + k * args.phase_s + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                s = Sample(k, time.monotonic() - t0)
+                res.samples.append(s)
+                tasks.append(asyncio.create_task(one(http, router, prompt, out, s)))
         await asyncio.gather(*tasks)
         poller.cancel()
         async with http.get(router + "/metrics") as r:
-            res.metrics = [  # type: ignore[attr-defined]
+            res.metrics = [
                 line for line in (await r.text()).splitlines() if "autoscale_" in line
                 and not line.startswith("#")
             ]  # fmt: skip
     return res
+
+
+def node_args(model: Path, role: str, i: int, router: str, args) -> list[str]:
+    return [
+        "--model", str(model), "--served-model-name", NAME, "--role", role,
+        "--node-id", f"n{i}", "--peers", router, "--kv-cache-memory-gb", str(args.kv_gb),
+        "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048", "--no-kv-store",
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        # a decode node computes the short prompts itself (no handoff), as a deployment would
+        "--handoff-min-tokens", str(args.handoff_min_tokens),
+        "--cpu-threads", "1", "--log-format", "json", "--enforce-eager",
+        "--lease-s", str(args.lease_s),
+    ]  # fmt: skip
 
 
 def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
@@ -137,20 +173,25 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
     router = f"http://127.0.0.1:{ports[0]}"
     scale = ["--autoscale", "--autoscale-window-s", str(args.window_s),
              "--autoscale-ttft-p99-s", str(args.ttft_s), "--autoscale-tpot-p99-s", str(args.tpot_s),
-             "--autoscale-node-dwell-s", str(args.window_s * 2),
-             "--autoscale-global-dwell-s", str(args.window_s)] if autoscale else []  # fmt: skip
-    procs = [spawn(ports[0], ["--role", "router", "--log-format", "json", *scale],
-                   tmp / f"router-{autoscale}.log")]  # fmt: skip
-    for i, role in enumerate(["prefill", "prefill", "decode", "decode"], 1):
-        node = [
-            "--model", str(model), "--served-model-name", NAME, "--role", role,
-            "--node-id", f"n{i}", "--peers", router, "--kv-cache-memory-gb", "0.05",
-            "--max-num-seqs", "16", "--max-model-len", "2048", "--no-kv-store",
-            "--cpu-threads", "1", "--log-format", "json", "--enforce-eager",
-        ]  # fmt: skip
-        procs.append(spawn(ports[i], node, tmp / f"n{i}-{autoscale}.log"))
+             "--autoscale-node-dwell-s", str(args.node_dwell_s),
+             "--autoscale-global-dwell-s", str(args.global_dwell_s)] if autoscale else []  # fmt: skip
+    arm = "autoscale" if autoscale else "fixed"
+    router_args = ["--role", "router", "--log-format", "json", "--lease-s", str(args.lease_s)]
+    procs = [spawn(ports[0], [*router_args, *scale],
+                   tmp / f"router-{arm}.log")]  # fmt: skip
+    quotas: list[CpuQuota | None] = [
+        CpuQuota(f"bench-autoscale-n{i}", args.node_cpus) if args.node_cpus else None
+        for i in range(1, 5)
+    ]
+    for i, role in enumerate(ROLES, 1):
+        procs.append(
+            spawn(ports[i], node_args(model, role, i, router, args),
+                  tmp / f"n{i}-{arm}.log", quotas[i - 1])
+        )  # fmt: skip
+    load = os.getloadavg()[0]
     try:
         res = asyncio.run(drive(router, args))
+        load = max(load, os.getloadavg()[0])
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -159,100 +200,140 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
-    done = len(res.ttft)
-    decisions = [
-        json.loads(line)
-        for line in (tmp / f"router-{autoscale}.log").read_text().splitlines()
-        if '"autoscale_decision"' in line or '"autoscale_moved"' in line
-    ]
+                p.wait()
+        throttled = [round(q.throttled_s(), 1) for q in quotas if q]
+        for q in quotas:
+            if q:
+                q.remove()
+    log = (tmp / f"router-{arm}.log").read_text().splitlines()
+    events = [json.loads(line) for line in log if '"autoscale_' in line]
     return {
-        "autoscale": autoscale,
-        "finished": done,
-        "failed": res.failed,
-        "slo_attainment": res.met / max(done + res.failed, 1),
-        "ttft_p50_s": percentile(res.ttft, 50) if done else None,
-        "ttft_p99_s": percentile(res.ttft, 99) if done else None,
-        "tpot_p50_s": percentile(res.tpot, 50) if done else None,
-        "tpot_p99_s": percentile(res.tpot, 99) if done else None,
+        "arm": arm,
+        "load_1m_at_end": round(load, 2),
+        **summary(res.samples, args),
+        "by_phase": [
+            summary([s for s in res.samples if s.phase == k], args)
+            for k in range(len(phases(args)))
+        ],
         "node_seconds": res.node_seconds,
-        "moves": [d for d in decisions if d.get("event") == "autoscale_moved"],
-        "decisions": [d for d in decisions if d.get("event") == "autoscale_decision"],
-        "metrics": getattr(res, "metrics", []),
+        "roles": res.roles,
+        "throttled_s": throttled,
+        "moves": [e for e in events if e.get("event") == "autoscale_moved"],
+        "failed_moves": [e for e in events if e.get("event") == "autoscale_move_failed"],
+        "decisions": [e for e in events if e.get("event") == "autoscale_decision"],
+        "metrics": res.metrics,
+    }
+
+
+def profile_table(args, model: Path, tmp: Path) -> Path:
+    """`deepinfer profile` of the bench's model on one torch thread, in a node's CPU quota."""
+    out = tmp / "table.json"
+    quota = CpuQuota("bench-autoscale-profile", args.node_cpus) if args.node_cpus else None
+    cmd = [sys.executable, "-m", "daemon", "profile", "--model", str(model), "--cpu-threads", "1",
+           "--enforce-eager", "--out", str(out)]  # fmt: skip
+    try:
+        subprocess.run(
+            cmd, cwd=ROOT, env=checkout_env(), check=True, preexec_fn=quota.join if quota else None
+        )
+    finally:
+        if quota:
+            quota.remove()
+    return out
+
+
+def summary(samples: list[Sample], args) -> dict:
+    done = [s for s in samples if s.ttft_s is not None]
+    ttft = [s.ttft_s for s in done if s.ttft_s is not None]
+    tpot = [s.tpot_s for s in done if s.tpot_s is not None]
+    met = sum(1 for s in done if (s.ttft_s or 0) <= args.ttft_s and (s.tpot_s or 0) <= args.tpot_s)
+    return {
+        "requests": len(samples),
+        "finished": len(done),
+        "failed": len(samples) - len(done),
+        "slo_attainment": met / max(len(samples), 1),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
     }
 
 
 def phases(args) -> list[tuple[float, int, int]]:
     """(rate, prompt tokens, output tokens) of each phase."""
     return [
-        (args.rate_prefill, args.long_prompt, 2),
-        (args.rate_decode, 16, args.long_output),
-        (args.rate_prefill, args.long_prompt, 2),
+        (args.rate_prefill, args.long_prompt, args.short_output),
+        (args.rate_decode, args.short_prompt, args.long_output),
+        (args.rate_prefill, args.long_prompt, args.short_output),
     ]
 
 
-def simulated(args) -> list[dict]:
-    """The shift through the simulator's P/D cluster (2 + 2 nodes), fixed and autoscaled."""
-    from daemon.cluster.autoscale import Targets
-    from daemon.sim.node import NodeConfig
-    from daemon.sim.pd import PDConfig, simulate_pd, summarize_pd
-    from daemon.sim.table import CostTable
-    from daemon.sim.trace import TraceRequest
-
-    trace, ids = [], iter(range(1 << 30))
-    for k, (rate, prompt, out) in enumerate(phases(args)):
-        for i in range(int(args.phase_s * rate)):
-            blocks = tuple(next(ids) for _ in range(-(-prompt // 512)))
-            trace.append(TraceRequest(k * args.phase_s + i / rate, prompt, out, blocks))
-    targets = Targets(
-        ttft_p99_s=args.ttft_s, tpot_p99_s=args.tpot_s,
-        node_dwell_s=args.window_s * 2, global_dwell_s=args.window_s,
-    )  # fmt: skip
-    table = CostTable.load(args.sim_table)
-    node = NodeConfig(0.05 * 2**30, 0, 16, 2048)
-    runs = []
-    for scaled in (False, True):
-        cfg = PDConfig(2, 2, node, targets=targets if scaled else None, window_s=args.window_s)
-        r = summarize_pd(simulate_pd(table, trace, cfg), targets)
-        runs.append(r)
-        kinds = [d["kind"] for d in r["decisions"] if d["kind"] != "hold"]
-        print(
-            f"sim {'autoscale' if scaled else 'fixed'}: SLO attainment "
-            f"{100 * r['slo']['attainment']:.1f} %, node-seconds {r['node_seconds']}, "
-            f"moves {kinds}"
-        )
-    return runs
-
-
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase-s", type=float, default=40)
     p.add_argument("--rate-prefill", type=float, default=2.0, help="requests/s, long prompts")
     p.add_argument("--rate-decode", type=float, default=4.0, help="requests/s, long outputs")
     p.add_argument("--long-prompt", type=int, default=1536)
+    p.add_argument("--short-prompt", type=int, default=16)
     p.add_argument("--long-output", type=int, default=128)
+    # a few tokens: one gap's TPOT (the first decode step after a KV import) is too noisy
+    p.add_argument("--short-output", type=int, default=8)
     p.add_argument("--ttft-s", type=float, default=2.0)
     p.add_argument("--tpot-s", type=float, default=0.1)
     p.add_argument("--window-s", type=float, default=5.0)
+    p.add_argument("--node-dwell-s", type=float, default=10.0)
+    p.add_argument("--global-dwell-s", type=float, default=5.0)
+    p.add_argument("--node-cpus", type=float, default=0.0, help="a CPU quota per node (0: none)")
+    p.add_argument("--kv-gb", type=float, default=0.05, help="KV memory per node")
+    # a node starved of CPU by a loaded machine still keeps its lease (heartbeats every third)
+    p.add_argument("--lease-s", type=float, default=15.0)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--handoff-min-tokens", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument(
         "--arms", nargs="*", default=["fixed", "autoscale"], choices=["fixed", "autoscale"]
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--sim-table", type=Path, help="a `deepinfer profile` table: simulate too")
-    args = p.parse_args()
+    p.add_argument(
+        "--sim-profile", action="store_true",
+        help="profile the bench's model as a node runs it (its quota), then simulate with that",
+    )  # fmt: skip
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the daemons are stopped too
     tmp = Path(tempfile.mkdtemp(prefix="bench-autoscale-"))
-    spec = ModelSpec(num_layers=4, hidden=256, heads=4, kv_heads=2, intermediate=768, vocab=4096)
+    heads = max(args.hidden // 64, 1)
+    spec = ModelSpec(
+        num_layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=max(heads // 2, 1),
+        intermediate=3 * args.hidden, vocab=4096, max_positions=8192,
+    )  # fmt: skip
     model = make_checkpoint(spec, tmp / "model")
-    out = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
+    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     for arm in args.arms:
         r = run(args, model, tmp, arm == "autoscale")
         out["runs"].append(r)
+        phase = " | ".join(
+            f"{100 * b['slo_attainment']:.0f} % (TTFT p99 {b['ttft_p99_s']:.2f}, "
+            f"TPOT p99 {b['tpot_p99_s']:.3f})"
+            for b in r["by_phase"]
+        )
         print(
             f"{arm}: {r['finished']} done, {r['failed']} failed, SLO attainment "
-            f"{100 * r['slo_attainment']:.1f} %, TTFT p99 {r['ttft_p99_s']}, TPOT p99 "
-            f"{r['tpot_p99_s']}, node-seconds {r['node_seconds']}, moves {len(r['moves'])}"
+            f"{100 * r['slo_attainment']:.1f} % [{phase}], node-seconds {r['node_seconds']}, "
+            f"moves {[(m['node_id'], m['role']) for m in r['moves']]}, load {r['load_1m_at_end']}"
         )
-    if args.sim_table:
-        out["sim"] = simulated(args)
+    table = args.sim_table
+    if args.sim_profile:
+        table = profile_table(args, model, tmp)
+    if table:
+        from bench.autoscale_sim import shift
+
+        out["sim"] = shift(args, table)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(f"logs in {tmp}")

@@ -48,7 +48,7 @@ def test_hysteresis_band_holds():
     # between down and up on both sides: nothing moves either way
     d = a.decide(window(ttft=0.9, tpot=0.09))
     assert d.kind == "hold" and "hysteresis" in d.reason
-    assert a.decide(window(ttft=2.0, tpot=0.3)).reason.startswith("both sides")
+    assert a.decide(window(ttft=2.0, tpot=0.3, pq=40)).reason.startswith("both sides")
 
 
 def test_global_dwell_then_node_dwell():
@@ -134,3 +134,21 @@ def test_window_inputs_from_heartbeats():
     assert w.decode_kv_util == 0.75  # the draining node is left out
     assert (w.prefill_queue, w.decode_queue, w.count("decode")) == (3, 1, 1)
     assert w.nodes[1] == NodeLoad("d0", "decode", running=4, waiting=1)
+
+
+def test_when_both_sides_are_late_an_idle_prefill_queue_gives_a_node_to_decode():
+    # a full decode node: its queued requests are late to their first token too, so TTFT is
+    # over target as well as the decode side; the prefill nodes hold no queue
+    a = Autoscaler(T)
+    d = a.decide(window(ttft=4.0, tpot=0.05, dq=20, ns=nodes(prefill=3, decode=1)))
+    assert (d.kind, d.node_id) == ("prefill_to_decode", "p0")
+    assert d.prefill_pressure > T.up and d.decode_pressure > T.up
+    assert a.decide(window(ttft=4.0, kv=0.95, ns=nodes(prefill=3, decode=1))).kind == (
+        "prefill_to_decode"
+    )
+    # prefill queued as well, even a little: both are short, nothing moves (above all not
+    # the decode side's KV-full node away: its TTFT is not the prefill side's to claim)
+    assert a.decide(window(ttft=4.0, kv=0.95, pq=40)).reason.startswith("both sides")
+    few = window(ttft=16.0, kv=0.98, pq=4, ns=nodes(prefill=3, decode=1))
+    assert a.decide(few).reason.startswith("both sides")
+    assert a.decide(window(ttft=4.0, tpot=0.3, pq=40, dq=40)).reason.startswith("both sides")

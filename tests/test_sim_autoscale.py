@@ -92,3 +92,11 @@ def test_autoscaling_beats_fixed_roles(runs: dict[str, dict]) -> None:
 def test_a_cluster_without_a_role_is_refused() -> None:
     with pytest.raises(ValueError, match="prefill and a decode"):
         simulate_pd(table(), shift(), PDConfig(0, 2, NODE))
+
+
+def test_short_prompts_are_computed_on_their_decode_node() -> None:
+    short = [TraceRequest(i * 0.1, 16, 8, (i,)) for i in range(20)]
+    cfg = PDConfig(1, 1, NODE, handoff_min_tokens=64)
+    run = simulate_pd(table(), short + [TraceRequest(2.5, 2048, 2, (99, 100, 101, 102))], cfg)
+    assert [r.prefill_node for r in run.records] == [-1] * 20 + [0]
+    assert all(r.decode_node == 1 and r.finish_s is not None for r in run.records)

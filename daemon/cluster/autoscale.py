@@ -86,17 +86,23 @@ class Decision:
         }
 
 
+def queue_pressures(inputs: WindowInputs, t: Targets) -> tuple[float, float]:
+    """(prefill, decode): waiting requests per node against `queue_per_node`."""
+    n_prefill, n_decode = max(inputs.count("prefill"), 1), max(inputs.count("decode"), 1)
+    return (
+        inputs.prefill_queue / n_prefill / t.queue_per_node,
+        inputs.decode_queue / n_decode / t.queue_per_node,
+    )
+
+
 def pressures(inputs: WindowInputs, t: Targets) -> tuple[float, float]:
     """(prefill, decode): the worst of each side's signals against its target."""
-    n_prefill, n_decode = max(inputs.count("prefill"), 1), max(inputs.count("decode"), 1)
-    prefill = max(
-        (inputs.ttft_p99_s or 0.0) / t.ttft_p99_s,
-        inputs.prefill_queue / n_prefill / t.queue_per_node,
-    )
+    queued_prefill, queued_decode = queue_pressures(inputs, t)
+    prefill = max((inputs.ttft_p99_s or 0.0) / t.ttft_p99_s, queued_prefill)
     decode = max(
         (inputs.tpot_p99_s or 0.0) / t.tpot_p99_s,
         (inputs.decode_kv_util or 0.0) / t.kv_util,
-        inputs.decode_queue / n_decode / t.queue_per_node,
+        queued_decode,
     )
     return prefill, decode
 
@@ -122,7 +128,15 @@ class Autoscaler:
         elif prefill > t.up and decode < t.down:
             kind = "decode_to_prefill"
         elif prefill > t.up and decode > t.up:
-            return hold("both sides over target: no headroom to move")
+            # a TTFT counts the wait for a decode slot or KV too (a request waiting on a full
+            # decode node is late on both sides); the decode signals are the decode side's
+            # own. So with nothing queued on the prefill nodes the decode side is the one
+            # short. (Any queue there: both are; a measured run flapped when a few per node
+            # counted as none.)
+            if inputs.prefill_queue == 0:
+                kind = "prefill_to_decode"
+            else:
+                return hold("both sides over target: no headroom to move")
         else:
             return hold("within the hysteresis band")
         source = "prefill" if kind == "prefill_to_decode" else "decode"

@@ -13,7 +13,7 @@ import itertools
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -202,18 +202,27 @@ class Engine:
         cache_salt: bytes = b"",
         kv_source: KVSource | None = None,
         images: list[ImageSpan] | None = None,
+        awaiting: Sequence[ImageInput] = (),
     ) -> Request:
         """A request to generate for; with `kv_source` its prompt's KV state is fetched from
         there first (the decode side of a handoff), else, or if that fails, computed here.
         `images`: embeddings (from `encode_images`) that replace the embeddings of their
-        placeholder positions."""
+        placeholder positions; `awaiting`: images whose embeddings come later (`images_ready`),
+        the text before the first one computed meanwhile."""
         self._check(prompt_ids, params)
-        if images and (kv_source is not None or any(s.end > len(prompt_ids) for s in images)):
+        spans = [(s.start, s.end, s.digest) for s in images or ()]
+        if awaiting:
+            if self.images is None:
+                raise RequestRejected("this model does not take images", "messages")
+            n = self.runner.model.image_tokens
+            spans = [(im.start, im.start + n, im.digest) for im in awaiting]
+        if spans and (kv_source is not None or any(end > len(prompt_ids) for _, end, _ in spans)):
             raise RequestRejected("the images' placeholders lie outside the prompt", "messages")
         req = self._new_request(prompt_ids, params, request_id, priority, traffic_class, cache_salt)
-        if images:
-            req.images = list(images)
-            req.prefix.content = [(s.start, s.end, s.digest) for s in images]
+        if spans:
+            req.images = list(images or ())
+            req.prefix.content = spans
+            req.images_until = min(start for start, _, _ in spans) if awaiting else None
         if kv_source is None:
             self._enqueue(req)
         elif len(prompt_ids) < self.handoff_min_tokens or params.prompt_logprobs is not None:
@@ -225,6 +234,13 @@ class Engine:
         else:
             self.handoffs.start_import(req, kv_source)
         return req
+
+    def images_ready(self, req: Request, images: list[ImageSpan]) -> None:
+        """The embeddings of the images `req` awaits: its placeholders may be computed now."""
+        if [(s.start, s.end, s.digest) for s in images] != req.prefix.content:
+            raise ValueError("these are not the images the request awaits")
+        req.images, req.images_until = list(images), None
+        self._wakeup.set()
 
     async def encode_images(self, images: list[ImageInput]) -> list[ImageSpan]:
         """The embeddings of a request's images, from the cache or the encoder (raises

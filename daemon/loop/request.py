@@ -148,6 +148,9 @@ class Request:
     cache: CacheUse = field(default_factory=CacheUse)
     stats: RequestStats = field(default_factory=RequestStats)
     images: list[ImageSpan] = field(default_factory=list)  # embeddings at their placeholders
+    # positions from here on wait for the images' embeddings (None: nothing awaited); the text
+    # before the first image prefills meanwhile
+    images_until: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -256,6 +256,9 @@ class Scheduler:
             if req.num_inflight_steps > 0:
                 i += 1  # preempted mid-flight: its last tokens are not on the host yet
                 continue
+            if req.images_until is not None and req.images_until <= req.num_computed:
+                i += 1  # nothing to compute before its images' embeddings come
+                continue
             if self.prefix is not None and req.num_computed == 0:
                 fetch = self.prefix.admit(req, first=req.stats.num_preemptions == 0)
                 if fetch:
@@ -264,11 +267,15 @@ class Scheduler:
                     reads.append(StoreRead(req, fetch))
                     continue
             n = min(self._tokens_to_compute(req), budget)
-            if not self.kv.grow(req.request_id, req.num_computed + n):
+            if n == 0 or not self.kv.grow(req.request_id, req.num_computed + n):
                 self.kv.free(req.request_id)  # gives back any prefix it took
                 req.num_computed = 0
                 req.prefix.forget_blocks()
                 req.prefix.pending_restore = None
+                if n == 0:  # its text is cached up to its images: it waits for them unadmitted
+                    req.images_until = 0
+                    i += 1
+                    continue
                 break
             self.waiting.pop(i)
             req.prefix.loaded = {}  # store payloads are on the device now (or not needed)
@@ -290,7 +297,9 @@ class Scheduler:
         if req.num_computed < replay_until:
             return replay_until - req.num_computed  # a replay chunk never runs past its end
         n = req.seq_len - req.num_computed
-        return self.prefix.chunk_limit(req, n) if self.prefix is not None else n
+        if req.images_until is not None:  # its images' embeddings are not here yet
+            n = min(n, max(req.images_until - req.num_computed, 0))
+        return self.prefix.chunk_limit(req, n) if self.prefix is not None and n else n
 
     def _commit(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed

@@ -82,10 +82,14 @@ def make_llava_checkpoint(
     vocab_size: int = 512,
     with_tokenizer: bool = False,
     seed: int = 0,
+    image_size: int = LLAVA_IMAGE_SIZE,
+    patch_size: int = LLAVA_PATCH,
+    vision_hidden: int = 32,
+    vision_layers: int = 2,
 ) -> Path:
     """A tiny random LLaVA (CLIP vision tower, projector, Llama) saved by transformers, with the
     CLIP image processor its prompts need; `with_tokenizer`: the DeepSeek tokenizer, whose
-    image token is `image_token_id` then."""
+    image token is `image_token_id` then. The vision sizes make a heavier tower (benchmarks)."""
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -97,12 +101,12 @@ def make_llava_checkpoint(
     if with_tokenizer:
         vocab_size = 129280
     vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=LLAVA_IMAGE_SIZE,
-        patch_size=LLAVA_PATCH,
+        hidden_size=vision_hidden,
+        intermediate_size=2 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=max(vision_hidden // 16, 2),
+        image_size=image_size,
+        patch_size=patch_size,
         initializer_range=0.2,
     )
     text = LlamaConfig(
@@ -118,7 +122,7 @@ def make_llava_checkpoint(
         eos_token_id=1,
         pad_token_id=None,
     )
-    side = LLAVA_IMAGE_SIZE // LLAVA_PATCH
+    side = image_size // patch_size
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
@@ -128,7 +132,7 @@ def make_llava_checkpoint(
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
     model.save_pretrained(path)
-    size = LLAVA_IMAGE_SIZE
+    size = image_size
     CLIPImageProcessorPil(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
     ).save_pretrained(path)

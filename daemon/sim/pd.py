@@ -36,6 +36,7 @@ class PDConfig:
     targets: Targets | None = None  # None: fixed roles (no autoscaling)
     window_s: float = 10.0
     time_scale: float = 1.0
+    handoff_min_tokens: int = 0  # a shorter prompt is computed on its decode node (no handoff)
 
 
 @dataclass
@@ -197,8 +198,12 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
             t = trace[what]
             rec = PDRecord(what, now, t.input_length, t.output_length)
             records.append(rec)
-            rec.prefill_node = c.pick("prefill")
-            admit(rec.prefill_node, leg(rec, t, decode=False))
+            if t.input_length < cfg.handoff_min_tokens:
+                rec.decode_node = c.pick("decode")
+                admit(rec.decode_node, leg(rec, t, decode=True))
+            else:
+                rec.prefill_node = c.pick("prefill")
+                admit(rec.prefill_node, leg(rec, t, decode=False))
         elif kind == LOADED:
             n, req, keys, found = what  # type: ignore[misc]
             c.nodes[n].loaded(req, keys, found)

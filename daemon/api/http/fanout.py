@@ -4,7 +4,7 @@ and abort every unfinished one when the handler exits (done, failed, cancelled, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
 from daemon.api.codecs.base import Job
@@ -12,7 +12,7 @@ from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
 from daemon.loop.handoff import KVSource
-from daemon.loop.images import ImageSpan
+from daemon.loop.images import ImageInput
 from daemon.loop.request import Request, RequestOutput
 
 
@@ -23,11 +23,12 @@ def submit_all(
     priority: int = 0,
     cache: CacheOptions = CacheOptions(),
     kv_source: KVSource | None = None,
-    images: list[ImageSpan] | None = None,
+    images: Sequence[ImageInput] = (),
 ) -> list[Request]:
     """Adds job i as request `{base_id}-{i}`; if one is rejected, none stay (400 or 503).
     `kv_source` (a routed request on a decode node): where the first job's prompt KV comes
-    from; `images`: the embeddings every job's prompt splices in."""
+    from; `images`: those every job's prompt splices in, their embeddings awaited (the text
+    before the first one computed meanwhile; `Engine.images_ready`)."""
     reqs: list[Request] = []
     try:
         for i, (prompt_ids, params) in enumerate(jobs):
@@ -40,7 +41,7 @@ def submit_all(
                     traffic_class=cache.traffic_class,
                     cache_salt=cache.cache_salt,
                     kv_source=kv_source if i == 0 else None,
-                    images=images,
+                    awaiting=images,
                 )
             )
     except RequestRejected as e:

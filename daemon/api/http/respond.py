@@ -4,6 +4,8 @@ ends it (done, failed, cancelled, a client gone) aborts the engine requests left
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 from aiohttp import web
 
@@ -24,34 +26,49 @@ log = structlog.get_logger(__name__)
 async def respond(
     request: web.Request, engine: Engine, call: Call, cache: CacheOptions
 ) -> web.StreamResponse:
-    images = await _image_spans(engine, call)  # before the answer: nothing to close yet
+    # the images encode while the text before the first one prefills
+    encoding = asyncio.ensure_future(engine.encode_images(call.images)) if call.images else None
     answer = call.answer()
     try:
         with routed_work(request):  # a role change waits for what it counts
             # a prompt with images is computed here (a handoff would need its images there)
-            source = None if images else kv_source_for(request, len(call.jobs), cache)
-            reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source, images)
+            source = None if call.images else kv_source_for(request, len(call.jobs), cache)
+            reqs = submit_all(engine, call.id, call.jobs, call.priority, cache, source, call.images)
             try:
+                if encoding is not None:
+                    await _images_ready(engine, call.id, reqs, encoding)
                 if call.stream:
                     return await _stream(request, engine, reqs, call.id, answer)
                 return await _whole(engine, reqs, answer)
             finally:
                 access.note(request, call.id, reqs, call.stream)
     finally:
+        if encoding is not None and not encoding.done():
+            encoding.cancel()  # the request failed or went: nobody waits (the cache's own
+            # encoding runs on for whoever else asks for the image)
         answer.close()
 
 
-async def _image_spans(engine: Engine, call: Call) -> list[ImageSpan]:
-    """The embeddings of the call's images; text-only calls never wait for an encoder."""
-    if not call.images:
-        return []
+async def _images_ready(
+    engine: Engine, call_id: str, reqs: list[Request], encoding: asyncio.Future[list[ImageSpan]]
+) -> None:
+    """The requests' images encoded and handed to them; else they are aborted (no answer has
+    begun yet: a 503 to retry, or a 400)."""
     try:
-        return await engine.encode_images(call.images)
-    except RequestRejected as e:
-        raise bad_request(str(e), e.param) from None
-    except EncoderFailed as e:
-        log.warning("image_encoding_failed", request_id=call.id, error=str(e))
-        raise unavailable("the images could not be encoded; try again", retry_after_s=1) from None
+        spans = await encoding
+    except BaseException as e:
+        for req in reqs:
+            engine.abort(req.request_id)
+        if isinstance(e, RequestRejected):
+            raise bad_request(str(e), e.param) from None
+        if isinstance(e, EncoderFailed):
+            log.warning("image_encoding_failed", request_id=call_id, error=str(e))
+            raise unavailable(
+                "the images could not be encoded; try again", retry_after_s=1
+            ) from None
+        raise
+    for req in reqs:
+        engine.images_ready(req, spans)
 
 
 async def _whole(engine: Engine, reqs: list[Request], answer: Answer) -> web.Response:
