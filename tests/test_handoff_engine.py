@@ -259,9 +259,9 @@ async def test_full_blocks_come_through_the_store(engines: Engines, family: str)
     p, d, u, block = engines.prefill, engines.decode, engines.unified, engines.block
     ids = prompt(90, 5 * block + 3)
     full = (len(ids) - 1) // block
-    want = await run(u, ids)
+    want = await run(u, ids, SHORT)
     before, sent = _counts(d), _counts(p)
-    assert await run(d, ids, source=EngineSource(p, f"{family}-store")) == want
+    assert await run(d, ids, SHORT, EngineSource(p, f"{family}-store")) == want
     got = _grown(d, before)
     assert (got["imported"], got["blocks"], got["fallbacks"]) == (1, full, 0)
     assert _grown(p, sent)["stored"] == full
@@ -274,7 +274,7 @@ async def test_full_blocks_come_through_the_store(engines: Engines, family: str)
 
     # the decode side has no store (the unified engine) or another one: all over the wire
     before = _counts(u)
-    assert await run(u, ids, source=EngineSource(p, f"{family}-nostore")) == want
+    assert await run(u, ids, SHORT, EngineSource(p, f"{family}-nostore")) == want
     grown = _grown(u, before)
     assert (grown["imported"], grown["blocks"], grown["wire"]) == (
         1,
@@ -298,10 +298,10 @@ async def test_a_stored_block_spoiled_before_the_read_is_fetched_again(
 ) -> None:
     p, d, u, block = engines.prefill, engines.decode, engines.unified, engines.block
     ids = prompt(100 + (spoil is _remove), 4 * block + 5)
-    want = await run(u, ids)
+    want = await run(u, ids, SHORT)
     before, bad = _counts(d), d.store.counters.bad_files
     source = Spoiling(EngineSource(p, f"{family}-{spoil.__name__}"), spoil)
-    assert await run(d, ids, source=source) == want
+    assert await run(d, ids, SHORT, source) == want
     # the store path, then (a block missing or failing its checksum) all of it over the wire
     assert source.fetches == [(len(ids) - 1) // block, 0]
     got = _grown(d, before)
