@@ -1,9 +1,11 @@
 """A router, a prefill and a decode daemon (real processes on 127.0.0.1, a tiny random dense
 model with a chat template) against a unified daemon: the same greedy answers through the
-router, the KV handed over; then the failures: a node that refuses connections (retried), a
-client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed during the
-handoff and before it (computed on the decode node), the router stopped mid-stream (the stream
-ends) and restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+router, the KV handed over, its full blocks through the block store the two nodes share (one
+corrupted or removed there: still the same answer); then the failures: a node that refuses
+connections (retried), a client gone mid-stream (every block back), a stale epoch (at the
+prefill node, and through the router), the prefill node SIGKILLed during the handoff and
+before it (computed on the decode node), the router stopped mid-stream (the stream ends) and
+restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
 
 from __future__ import annotations
 
@@ -375,6 +377,43 @@ async def test_a_stale_epoch_is_refused_by_the_prefill_node(cluster: Cluster) ->
         ) as resp:
             assert resp.status == 409
             assert (await resp.json())["error"]["code"] == "stale_epoch"
+    _idle(cluster.prefill)
+
+
+def test_a_stale_epoch_through_the_router_is_computed_on_the_decode_node(
+    cluster: Cluster,
+) -> None:
+    """The router still holds a registration of the prefill node from before a restart (its
+    old epoch; registered here under another id, which it prefers: never routed to): the
+    prefill node refuses the handoff (409), the decode node computes the prompt itself."""
+    nodes = json.loads(urllib.request.urlopen(cluster.router.url + "/cluster/v1/nodes").read())
+    p0 = next(n for n in nodes["data"] if n["node_id"] == "p0")
+    stale = NodeInfo(
+        node_id="a-stale",
+        role="prefill",
+        fingerprint=p0["fingerprint"],
+        url=p0["url"],
+        epoch=p0["epoch"] - 1,
+        served_model=NAME,
+        capacity=p0["capacity"],
+        load={"running": 0, "waiting": 0, "kv_blocks_free": 1000},
+    )
+    body = json.dumps(stale.to_json() | {"ttl_s": 30}).encode()
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(cluster.router.url + "/cluster/v1/nodes", body, headers)
+    urllib.request.urlopen(req, timeout=5).close()
+    try:
+        before = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+        exported = cluster.prefill.health()["kv_handoff_exported"]
+        prompt = list(range(3400, 3550))
+        assert _complete(cluster.router, False, prompt) == _complete(cluster.unified, False, prompt)
+        after = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+        assert {r: n - before[r] for r, n in after.items() if n != before[r]} == {"failed": 1}
+        assert cluster.prefill.health()["kv_handoff_exported"] == exported
+    finally:
+        url = cluster.router.url + f"/cluster/v1/nodes/a-stale?epoch={p0['epoch'] - 1}"
+        urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=5).close()
+    _idle(cluster.decode)
     _idle(cluster.prefill)
 
 
