@@ -151,6 +151,8 @@ class Handoffs:
             self.stats.seconds["store"] += read - fetched
             self.stats.seconds["import"] += time.monotonic() - read
             req.num_computed = end
+            if self.prefix is not None:
+                self.prefix.imported(req)
             self._admit(req)
             return
         finally:
