@@ -37,6 +37,7 @@ TMP_MARK = ".tmp."
 # names the store (a random id, made by its first user): daemons that read the same id share
 # one store, whatever path each mounts it at
 IDENTITY_FILE = "store-id"
+LOOK_S = 0.05  # the least time `published` gives its look at the files
 # Writes wait on nobody: their threads run at this much lower priority, so that a burst of
 # them (a prefill's blocks) does not take cores (and the GIL) from the forward's threads.
 WRITER_NICE = 10
@@ -316,7 +317,8 @@ class BlockStore:
         if writes:
             await asyncio.wait(writes, timeout=timeout_s)
         look = loop.run_in_executor(self.pool, self.count_published, keys)
-        done, _ = await asyncio.wait([look], timeout=max(0.0, deadline - loop.time()))
+        # the look itself gets a moment even when the writes took all of `timeout_s`
+        done, _ = await asyncio.wait([look], timeout=max(LOOK_S, deadline - loop.time()))
         return look.result() if done else 0
 
     def submit_touch(self, keys: list[bytes]) -> None:

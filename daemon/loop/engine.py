@@ -44,6 +44,7 @@ from daemon.loop.runner import ModelRunner, StepResult
 from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
 from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
 from daemon.loop.transfer import KVTransfer
+from daemon.models.base import KVExport
 from daemon.models.tokenizer import TextTokenizer
 
 log = structlog.get_logger(__name__)
@@ -351,6 +352,7 @@ class Engine:
         # one sample is never used (the engine exports instead, see `_prefilled`)
         req = self._new_request(prompt_ids[:-1], params, request_id, 0, traffic_class, cache_salt)
         done = self.handoffs.expect_export(req.request_id)
+        export: KVExport | None = None
         try:
             self._enqueue(req)
             export = await done
@@ -358,9 +360,10 @@ class Engine:
             if not req.finished:
                 self._finish(req, FinishReason.LENGTH)
         finally:
-            self.handoffs.read_out(req.request_id)
+            self.handoffs.read_out(req.request_id, export is not None)
             if not req.finished:
                 self.abort(req.request_id)
+        assert export is not None
         got = await self.handoffs.leave_stored(export, keys, store)
         self.handoffs.exported(got)
         return got

@@ -197,11 +197,11 @@ class Handoffs:
         self._export_started[request_id] = time.monotonic()
         return done
 
-    def read_out(self, request_id: str) -> None:
-        """The export's request is computed and its KV read (or it failed)."""
+    def read_out(self, request_id: str, ok: bool) -> None:
+        """The export's request is computed and its KV read (`ok`), or it failed."""
         self.exporting.pop(request_id, None)
         started = self._export_started.pop(request_id, None)
-        if started is not None:
+        if started is not None and ok:
             self.stats.seconds["export"] += time.monotonic() - started
 
     async def leave_stored(
