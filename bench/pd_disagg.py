@@ -40,6 +40,8 @@ from daemon.benchmark.client import RequestRecord, Target, stream_request
 from daemon.service.live_server import free_port
 
 NAME = "pd-bench"
+LEASE_S = "30"  # a busy machine must not drop a node between its heartbeats
+HANDOFF_TIMEOUT_S = "600"  # nor give up on a long prompt's prefill (4K tokens: minutes when busy)
 
 
 @dataclass
@@ -85,8 +87,15 @@ class Cluster:
     ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        router = ["--role", "router", "--port", str(port), "--lease-s", "6"]
-        router += ["--handoff-timeout-s", "120", "--log-format", "json", "--log-level", "warning"]
+        router = ["--role", "router", "--port", str(port), "--lease-s", LEASE_S]
+        router += [
+            "--handoff-timeout-s",
+            HANDOFF_TIMEOUT_S,
+            "--log-format",
+            "json",
+            "--log-level",
+            "warning",
+        ]
         self.router = Node(
             stack.enter_context(Server(_launch(router), port, tmp / "router.log")), "router"
         )
@@ -95,8 +104,12 @@ class Cluster:
         for i, role in enumerate(roles):
             port = free_port()
             args = [*_model_args(a, model, store), "--port", str(port), "--role", role]
-            args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", "6"]
-            args += ["--handoff-timeout-s", "120", *(decode_args if role == "decode" else ())]
+            args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", LEASE_S]
+            args += [
+                "--handoff-timeout-s",
+                HANDOFF_TIMEOUT_S,
+                *(decode_args if role == "decode" else ()),
+            ]
             server = Server(_launch(args), port, tmp / f"{role}{i}.log")
             self.nodes.append(Node(stack.enter_context(server), role))
 
