@@ -54,7 +54,7 @@ class Node:
         return self.server.base_url
 
     def health(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+        with urllib.request.urlopen(self.url + "/health", timeout=60) as r:  # busy: slow
             return json.loads(r.read())
 
 
@@ -197,6 +197,9 @@ def handoff(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[s
             got = _handoff_row(d0, d1, p0, p1) | {"ttft_ms": 1e3 * (routed.ttft_s or 0.0)}
             for k, v in got.items():
                 rows[arm][n].setdefault(k, []).append(v)
+            if a.json:  # each handoff as it comes: a run cut short keeps what it measured
+                with a.json.with_suffix(".jsonl").open("a") as f:
+                    f.write(json.dumps({"prompt_tokens": n, "path": arm, **got}) + "\n")
     out = []
     for n in a.lengths:
         entry: dict[str, Any] = {"prompt_tokens": n}
