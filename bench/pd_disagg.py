@@ -2,10 +2,12 @@
 prompt length, and TTFT / TPOT under a mixed workload, 1 prefill + 1 decode vs 2 unified nodes
 behind the same router.
 
-`handoff`: a router, a prefill and a decode node, and a unified node asked directly, of one
-model (SmolLM2-135M-Instruct by default, `--v4`: a random DeepSeek-V4 with every KV mechanism
-live); for each prompt length, alternating repeats of one fresh prompt through the router and
-directly: the handoff's bytes and its time by phase (the nodes' counters), and TTFT both ways.
+`handoff`: two clusters of a router, a prefill and a decode node, of one model
+(SmolLM2-135M-Instruct by default, `--v4`: a random DeepSeek-V4 with every KV mechanism live):
+`store` (full blocks through the block store the nodes share, the rest over HTTP) and `direct`
+(the decode node given `--no-handoff-store`: every block over HTTP); for each prompt length,
+alternating repeats of a fresh prompt through each: the handoff's bytes over HTTP and through
+the store, and its time by phase (the nodes' counters), and TTFT.
 
 `mixed`: decode-heavy clients (short prompts, long answers) run all along while long prompts
 arrive in bursts; the same seeded workload against router + 1P + 1D and router + 2 unified
@@ -38,6 +40,8 @@ from daemon.benchmark.client import RequestRecord, Target, stream_request
 from daemon.service.live_server import free_port
 
 NAME = "pd-bench"
+LEASE_S = "30"  # a busy machine must not drop a node between its heartbeats
+HANDOFF_TIMEOUT_S = "600"  # nor give up on a long prompt's prefill (4K tokens: minutes when busy)
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Node:
         return self.server.base_url
 
     def health(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+        with urllib.request.urlopen(self.url + "/health", timeout=60) as r:  # busy: slow
             return json.loads(r.read())
 
 
@@ -79,13 +83,19 @@ class Cluster:
         model: Path,
         roles: list[str],
         tmp: Path,
-        direct: bool = False,
         decode_args: tuple[str, ...] = (),
     ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        router = ["--role", "router", "--port", str(port), "--lease-s", "6"]
-        router += ["--handoff-timeout-s", "120", "--log-format", "json", "--log-level", "warning"]
+        router = ["--role", "router", "--port", str(port), "--lease-s", LEASE_S]
+        router += [
+            "--handoff-timeout-s",
+            HANDOFF_TIMEOUT_S,
+            "--log-format",
+            "json",
+            "--log-level",
+            "warning",
+        ]
         self.router = Node(
             stack.enter_context(Server(_launch(router), port, tmp / "router.log")), "router"
         )
@@ -94,19 +104,17 @@ class Cluster:
         for i, role in enumerate(roles):
             port = free_port()
             args = [*_model_args(a, model, store), "--port", str(port), "--role", role]
-            args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", "6"]
-            args += ["--handoff-timeout-s", "120", *(decode_args if role == "decode" else ())]
+            args += ["--peers", self.router.url, "--node-id", f"{role}{i}", "--lease-s", LEASE_S]
+            args += [
+                "--handoff-timeout-s",
+                HANDOFF_TIMEOUT_S,
+                *(decode_args if role == "decode" else ()),
+            ]
             server = Server(_launch(args), port, tmp / f"{role}{i}.log")
             self.nodes.append(Node(stack.enter_context(server), role))
-        self.direct: Node | None = None
-        if direct:  # a unified node of its own, asked without the router
-            port = free_port()
-            args = [*_model_args(a, model, tmp / "direct-store"), "--port", str(port)]
-            server = Server(_launch(args), port, tmp / "direct.log")
-            self.direct = Node(stack.enter_context(server), "unified")
 
     def wait(self) -> None:
-        for node in [self.router, *self.nodes, *([self.direct] if self.direct else [])]:
+        for node in [self.router, *self.nodes]:
             node.server.wait_ready(600)
         want = {r: sum(n.role == r for n in self.nodes) for r in ("prefill", "decode", "unified")}
         deadline = time.monotonic() + 60
@@ -136,63 +144,93 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 # ---- handoff bytes and time ------------------------------------------------------------------
 
 
+ARMS = {"store": (), "direct": ("--no-handoff-store",)}  # the decode node's flags
+
+
+def _handoff_row(d0: dict, d1: dict, p0: dict, p1: dict) -> dict[str, float]:
+    sec = {k: d1["kv_handoff_seconds_by_phase"][k] - v
+           for k, v in d0["kv_handoff_seconds_by_phase"].items()}  # fmt: skip
+    psec = {k: p1["kv_handoff_seconds_by_phase"][k] - v
+            for k, v in p0["kv_handoff_seconds_by_phase"].items()}  # fmt: skip
+    row = {
+        "bytes": d1["kv_handoff_bytes_imported"] - d0["kv_handoff_bytes_imported"],
+        "store_bytes": d1["kv_handoff_bytes_from_store"] - d0["kv_handoff_bytes_from_store"],
+        "fallbacks": d1["kv_handoff_store_fallbacks"] - d0["kv_handoff_store_fallbacks"],
+        **{f"{k}_ms": 1e3 * v for k, v in sec.items() if k in ("fetch", "store", "import")},
+        **{f"{k}_ms": 1e3 * v for k, v in psec.items() if k in ("export", "publish", "send")},
+    }
+    # what the handoff adds to the prompt's compute: the decode side's wait less the prefill
+    # node's compute-and-read (so: the wait for store writes, the wire and its checks), then the
+    # store reads and the import
+    row["handoff_ms"] = row["fetch_ms"] - row["export_ms"] + row["store_ms"] + row["import_ms"]
+    return row
+
+
 def handoff(a: argparse.Namespace, model: Path, vocab: int, tmp: Path) -> dict[str, Any]:
+    """Two clusters (router + prefill + decode, each its own block store): `store`, full
+    blocks through the store, and `direct`, the decode node given `--no-handoff-store`; fresh
+    prompts of each length through both, alternating which goes first."""
     rng = random.Random(a.seed)
-    rows: dict[int, dict[str, list[float]]] = {n: {} for n in a.lengths}
+    rows: dict[str, dict[int, dict[str, list[float]]]] = {
+        arm: {n: {} for n in a.lengths} for arm in ARMS
+    }
     with ExitStack() as stack:
-        cluster = Cluster(stack, a, model, ["prefill", "decode"], tmp / "handoff", direct=True)
-        cluster.wait()
-        prefill, decode, direct = cluster.role("prefill"), cluster.role("decode"), cluster.direct
-        assert direct is not None
-        asyncio.run(_one(cluster.router.url, _prompt(rng, 64, vocab), 2))  # warm-up, both ways
-        asyncio.run(_one(direct.url, _prompt(rng, 64, vocab), 2))
-        jobs = [(n, r) for r in range(a.repeats) for n in a.lengths]
-        for n, _ in tqdm(jobs, desc="handoffs", unit="req"):
-            row = rows[n]
+        clusters = {
+            arm: Cluster(stack, a, model, ["prefill", "decode"], tmp / arm, decode_args=flags)
+            for arm, flags in ARMS.items()
+        }
+        for cluster in clusters.values():
+            cluster.wait()
+            asyncio.run(_one(cluster.router.url, _prompt(rng, 64, vocab), 2))  # warm-up
+        jobs = [(n, r, arm) for r in range(a.repeats) for n in a.lengths
+                for arm in (list(ARMS) if r % 2 == 0 else list(ARMS)[::-1])]  # fmt: skip
+        for n, _, arm in tqdm(jobs, desc="handoffs", unit="req"):
+            cluster = clusters[arm]
+            prefill, decode = cluster.role("prefill"), cluster.role("decode")
             d0, p0 = decode.health(), prefill.health()
             routed = asyncio.run(_one(cluster.router.url, _prompt(rng, n, vocab), 2))
             d1, p1 = decode.health(), prefill.health()
-            alone = asyncio.run(_one(direct.url, _prompt(rng, n, vocab), 2))
-            if not (routed.ok and alone.ok):
-                raise RuntimeError(f"a request failed: {routed.error or alone.error}")
+            if not routed.ok:
+                raise RuntimeError(f"a request failed: {routed.error}")
             if d1["kv_handoff_imported"] != d0["kv_handoff_imported"] + 1:
                 raise RuntimeError(f"the {n}-token prompt was not handed off: {d1}")
-            sec0, sec1 = d0["kv_handoff_seconds_by_phase"], d1["kv_handoff_seconds_by_phase"]
-            psec0, psec1 = p0["kv_handoff_seconds_by_phase"], p1["kv_handoff_seconds_by_phase"]
-            got = {
-                "bytes": d1["kv_handoff_bytes_imported"] - d0["kv_handoff_bytes_imported"],
-                "fetch_ms": 1e3 * (sec1["fetch"] - sec0["fetch"]),
-                "import_ms": 1e3 * (sec1["import"] - sec0["import"]),
-                "export_ms": 1e3 * (psec1["export"] - psec0["export"]),
-                "send_ms": 1e3 * (psec1["send"] - psec0["send"]),
-                "ttft_routed_ms": 1e3 * (routed.ttft_s or 0.0),
-                "ttft_direct_ms": 1e3 * (alone.ttft_s or 0.0),
-            }
+            got = _handoff_row(d0, d1, p0, p1) | {"ttft_ms": 1e3 * (routed.ttft_s or 0.0)}
             for k, v in got.items():
-                row.setdefault(k, []).append(v)
+                rows[arm][n].setdefault(k, []).append(v)
+            if a.json:  # each handoff as it comes: a run cut short keeps what it measured
+                with a.json.with_suffix(".jsonl").open("a") as f:
+                    f.write(json.dumps({"prompt_tokens": n, "path": arm, **got}) + "\n")
     out = []
     for n in a.lengths:
-        r = {k: median(v) for k, v in rows[n].items()}
-        # what the handoff adds to the prompt's compute: the decode side's wait less the
-        # prefill node's compute-and-read, then the import
-        r["transfer_ms"] = r["fetch_ms"] - r["export_ms"]
-        r["bytes_per_token"] = r["bytes"] / (n - 1)
-        r["ttft_ratio"] = r["ttft_routed_ms"] / r["ttft_direct_ms"]
-        out.append({"prompt_tokens": n, **r, "repeats": rows[n]})
+        entry: dict[str, Any] = {"prompt_tokens": n}
+        for arm in ARMS:
+            r = {k: median(v) for k, v in rows[arm][n].items()}
+            r["bytes_per_token"] = r["bytes"] / (n - 1)
+            entry[arm] = r | {"repeats": rows[arm][n]}
+        entry["bytes_ratio"] = entry["store"]["bytes"] / entry["direct"]["bytes"]
+        entry["handoff_ratio"] = entry["store"]["handoff_ms"] / entry["direct"]["handoff_ms"]
+        out.append(entry)
     return {"handoff": out}
 
 
 def print_handoff(result: dict[str, Any]) -> None:
     print(
-        f"{'prompt':>7} {'bytes':>11} {'B/token':>8} {'export':>8} {'send':>7} {'fetch':>8} "
-        f"{'transfer':>9} {'import':>7} {'TTFT P/D':>9} {'direct':>8} {'ratio':>6}"
+        f"{'prompt':>7} {'path':>6} {'HTTP bytes':>11} {'store bytes':>11} {'export':>9} "
+        f"{'publish':>8} {'send':>7} {'fetch':>9} {'store':>7} {'import':>7} {'handoff':>8} "
+        f"{'TTFT':>9}"
     )
-    for r in result["handoff"]:
+    for e in result["handoff"]:
+        for arm in ARMS:
+            r = e[arm]
+            print(
+                f"{e['prompt_tokens']:>7} {arm:>6} {r['bytes']:>11,.0f} {r['store_bytes']:>11,.0f} "
+                f"{r['export_ms']:>7.1f}ms {r['publish_ms']:>6.1f}ms {r['send_ms']:>5.1f}ms "
+                f"{r['fetch_ms']:>7.1f}ms {r['store_ms']:>5.1f}ms {r['import_ms']:>5.1f}ms "
+                f"{r['handoff_ms']:>6.1f}ms {r['ttft_ms']:>7.1f}ms"
+            )
         print(
-            f"{r['prompt_tokens']:>7} {r['bytes']:>11,.0f} {r['bytes_per_token']:>8,.0f} "
-            f"{r['export_ms']:>7.1f}ms {r['send_ms']:>5.1f}ms {r['fetch_ms']:>6.1f}ms "
-            f"{r['transfer_ms']:>7.1f}ms {r['import_ms']:>5.1f}ms {r['ttft_routed_ms']:>7.1f}ms "
-            f"{r['ttft_direct_ms']:>6.1f}ms {r['ttft_ratio']:>5.2f}×"
+            f"{'':>7} store ÷ direct: HTTP bytes {e['bytes_ratio']:.3f}×, "
+            f"handoff time {e['handoff_ratio']:.2f}×"
         )
 
 

@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -323,4 +324,33 @@ def test_writes_run_on_their_own_threads_of_lower_priority(tmp_path: Path) -> No
             assert future.result(5) is True
         assert store.read(key(3)) is not None
     finally:
+        store.close()
+
+
+async def test_a_block_counts_as_published_only_once_its_write_is(tmp_path: Path) -> None:
+    """What a prefill node may name to a decode node: the leading blocks whose files are
+    published, their writes waited for within the bound and no longer."""
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, write_threads=1)
+    gate = threading.Event()
+    store.writer.submit(gate.wait, 10)  # the one writer thread busy: writes queue behind it
+    for i in range(3):
+        store.submit_write(key(i), payload(i), "chat")
+    keys = [key(i) for i in range(3)]
+    assert await store.published(keys, 0.05) == 0  # queued, not written: not claimed
+    gate.set()
+    assert await store.published(keys, 5.0) == 3
+    store.path(key(1)).unlink()
+    assert await store.published(keys, 5.0) == 1  # leading ones only
+    store.path(key(0)).write_bytes(b"short")
+    assert await store.published(keys, 5.0) == 0  # not a whole block
+    store.close()
+
+
+def test_daemons_sharing_a_store_read_the_same_identity(tmp_path: Path) -> None:
+    one, two = (BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES) for _ in range(2))
+    assert one.identity and one.identity == two.identity
+    other = BlockStore(tmp_path / "other", FINGERPRINT, BLOCK_BYTES)
+    assert other.identity and other.identity != one.identity
+    assert not list(tmp_path.rglob("*.tmp.*"))
+    for store in (one, two, other):
         store.close()

@@ -15,12 +15,14 @@ from aiohttp import web
 
 from daemon.cluster.kv_source import HttpKVSource
 from daemon.cluster.wire import CONTENT_TYPE, HandoffMeta, PayloadRejected, encode
-from daemon.loop.handoff import HandoffFailed
+from daemon.loop.handoff import Fetched, HandoffFailed, StoreOffer, after_blocks
 from daemon.models.base import KVExport, RequestState
 
 PROMPT = list(range(100, 140))
 END = len(PROMPT) - 1
 EPOCH = 5
+KEYS = [bytes(16), bytes([1]) * 16]
+OFFER = StoreOffer("store-a", "ab" * 16, 16)
 
 
 def _export() -> KVExport:
@@ -35,6 +37,7 @@ class Peer:
     def __init__(self) -> None:
         self.fault = ""
         self.routes: list[dict] = []
+        self.bodies: list[dict] = []
         self.url = ""
 
     async def route(self, request: web.Request) -> web.Response:
@@ -46,6 +49,7 @@ class Peer:
 
     async def prefill(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.bodies.append(body)
         if body["epoch"] != EPOCH or self.fault == "stale":
             return web.json_response({"error": {"code": "stale_epoch"}}, status=409)
         meta = HandoffMeta(
@@ -55,7 +59,10 @@ class Peer:
             time.time() + body["lease_ms"] / 1000,
             "fp",
         )
-        data = b"".join([bytes(c) async for c in encode(_export(), meta)])
+        got = Fetched(_export())
+        if self.fault == "stored":  # the first block left in the store
+            got = Fetched(after_blocks(_export(), 1, 16), [KEYS[0]])
+        data = b"".join([bytes(c) async for c in encode(got, meta)])
         if self.fault == "frozen":
             await asyncio.sleep(3600)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
@@ -79,7 +86,7 @@ async def peer() -> AsyncIterator[Peer]:
     app = web.Application()
     app.router.add_post("/cluster/v1/route/prefill", peer.route)
     app.router.add_post("/cluster/v1/prefill", peer.prefill)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # a frozen handler is not waited for
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -88,14 +95,23 @@ async def peer() -> AsyncIterator[Peer]:
     await runner.cleanup()
 
 
-async def _fetch(peer: Peer, timeout_s: float = 5.0, router: str | None = None) -> KVExport:
+async def _fetched(
+    peer: Peer, timeout_s: float = 5.0, router: str | None = None, store: StoreOffer | None = None
+) -> Fetched:
     async with aiohttp.ClientSession() as session:
         source = HttpKVSource(session, router or peer.url, "h1", "fp", timeout_s, cache_salt=b"s")
-        return await source.fetch(PROMPT, [bytes(16), bytes([1]) * 16], END)
+        return await source.fetch(PROMPT, KEYS, END, store)
+
+
+async def _fetch(peer: Peer, timeout_s: float = 5.0, router: str | None = None) -> KVExport:
+    got = await _fetched(peer, timeout_s, router)
+    assert not got.stored
+    return got.export
 
 
 async def test_a_routed_handoff_returns_the_export(peer: Peer) -> None:
     got = await _fetch(peer)
+    assert "store" not in peer.bodies[0]
     want = _export()
     assert all(torch.equal(a, b) for a, b in zip(got.blocks[0], want.blocks[0]))
     assert peer.routes == [
@@ -142,3 +158,14 @@ async def test_no_router_listening_is_a_connection_error() -> None:
         source = HttpKVSource(session, f"http://127.0.0.1:{free_port()}", "h1", "fp", 5.0)
         with pytest.raises(OSError):
             await source.fetch(PROMPT, [], END)
+
+
+async def test_the_store_is_offered_and_blocks_left_there_come_back_named(peer: Peer) -> None:
+    peer.fault = "stored"
+    got = await _fetched(peer, store=OFFER)
+    assert peer.bodies[0]["store"] == {"id": "store-a", "fingerprint": "ab" * 16, "block_size": 16}
+    assert got.stored == [KEYS[0]] and got.export.start == 16
+    assert all(torch.equal(a, b[1:]) for a, b in zip(got.export.blocks[0], _export().blocks[0]))
+    with pytest.raises(PayloadRejected) as info:  # left there without the offer
+        await _fetched(peer)
+    assert info.value.reason == "range"

@@ -1,9 +1,11 @@
 """A router, a prefill and a decode daemon (real processes on 127.0.0.1, a tiny random dense
 model with a chat template) against a unified daemon: the same greedy answers through the
-router, the KV handed over; then the failures: a node that refuses connections (retried), a
-client gone mid-stream (every block back), a stale epoch, the prefill node SIGKILLed during the
-handoff and before it (computed on the decode node), the router stopped mid-stream (the stream
-ends) and restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+router, the KV handed over, its full blocks through the block store the two nodes share (one
+corrupted or removed there: still the same answer); then the failures: a node that refuses
+connections (retried), a client gone mid-stream (every block back), a stale epoch (at the
+prefill node, and through the router), the prefill node SIGKILLed during the handoff and
+before it (computed on the decode node), the router stopped mid-stream (the stream ends) and
+restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class Cluster:
     unified: Node
     router_command: tuple[int, list[str], Path]  # port, args, log: to start it again
     node_args: list[str]  # what the prefill and decode nodes were given, less their cluster part
+    store: Path  # the block store the prefill and decode nodes share
 
     def restart_router(self) -> None:
         self.router.proc.kill()
@@ -134,7 +137,7 @@ def start_cluster(
             lambda: nodes["router"].health()["nodes"] == {"prefill": 1, "decode": 1, "unified": 0},
             what="both nodes registered",
         )
-        yield Cluster(**nodes, router_command=command, node_args=node)
+        yield Cluster(**nodes, router_command=command, node_args=node, store=tmp / "store")
     finally:
         for role, proc in procs.items():
             _stop(nodes[role].proc if role == "router" and nodes else proc)
@@ -213,6 +216,69 @@ def test_chat_through_the_router_equals_a_unified_node(cluster: Cluster, stream:
     before = cluster.decode.health()["kv_handoff_imported"]
     assert _chat(cluster.router, stream) == _chat(cluster.unified, stream)
     assert cluster.decode.health()["kv_handoff_imported"] == before + 1
+
+
+def _store_files(cluster: Cluster) -> set[Path]:
+    return set((cluster.store / "v1").rglob("*.kvb"))
+
+
+def _handoff_counts(cluster: Cluster) -> dict[str, int]:
+    d, p = cluster.decode.health(), cluster.prefill.health()
+    return {
+        "imported": d["kv_handoff_imported"],
+        "recomputed": d["kv_handoff_recomputed"],
+        "wire": d["kv_handoff_bytes_imported"],
+        "from_store": d["kv_handoff_bytes_from_store"],
+        "blocks": d["kv_handoff_blocks_from_store"],
+        "fallbacks": d["kv_handoff_store_fallbacks"],
+        "bad_files": d["kv_store_bad_files"],
+        "stored": p["kv_handoff_blocks_stored"],
+    }
+
+
+def _routed(cluster: Cluster, prompt: list[int]) -> dict[str, int]:
+    """The prompt through the router equals the unified node's answer; the counters grown."""
+    before = _handoff_counts(cluster)
+    assert _complete(cluster.router, False, prompt) == _complete(cluster.unified, False, prompt)
+    return {k: v - before[k] for k, v in _handoff_counts(cluster).items()}
+
+
+def test_full_blocks_come_through_the_shared_store(cluster: Cluster) -> None:
+    """The prompt's 9 full blocks through the block store the two nodes share, the partial
+    last one over HTTP; a stored block corrupted after the prefill node published it is fetched
+    again over HTTP; one removed is sent by the prefill node; every block back after."""
+    prompt = list(range(3000, 3150))  # 9 full blocks of [0, 149), then 5 tokens
+    files = _store_files(cluster)
+    grown = _routed(cluster, prompt)
+    assert (grown["imported"], grown["blocks"], grown["stored"], grown["fallbacks"]) == (1, 9, 9, 0)
+    block_bytes = grown["from_store"] // 9
+    assert grown["wire"] == block_bytes  # over HTTP: the partial block's bytes alone
+    ours = _until(lambda: len(new := _store_files(cluster) - files) == 9 and new, 5, "9 files")
+
+    # the same prompt again: the prefill node finds its blocks published (it cannot tell
+    # that one file's payload was altered); the decode node's read finds it out
+    victim = sorted(ours)[4]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    grown = _routed(cluster, prompt)
+    assert (grown["imported"], grown["fallbacks"], grown["recomputed"]) == (1, 1, 0)
+    assert (grown["bad_files"], grown["blocks"]) == (1, 0)
+    assert grown["wire"] == 10 * block_bytes  # fetched again: everything over HTTP
+    with urllib.request.urlopen(cluster.decode.url + "/metrics", timeout=5) as r:
+        assert "deepinfer:kv_handoff_store_fallbacks_total 1.0" in r.read().decode()
+
+    # a file removed: the prefill node names only the blocks before it, sends the rest
+    prompt = list(range(3200, 3350))
+    files = _store_files(cluster)
+    _routed(cluster, prompt)
+    ours = _until(lambda: len(new := _store_files(cluster) - files) == 9 and new, 5, "9 files")
+    sorted(ours)[0].unlink()
+    grown = _routed(cluster, prompt)
+    assert (grown["imported"], grown["fallbacks"]) == (1, 0) and grown["blocks"] < 9
+    assert grown["wire"] == (10 - grown["blocks"]) * block_bytes
+    _idle(cluster.decode)
+    _idle(cluster.prefill)
 
 
 def test_the_router_lists_the_model_and_counts(cluster: Cluster) -> None:
@@ -311,6 +377,43 @@ async def test_a_stale_epoch_is_refused_by_the_prefill_node(cluster: Cluster) ->
         ) as resp:
             assert resp.status == 409
             assert (await resp.json())["error"]["code"] == "stale_epoch"
+    _idle(cluster.prefill)
+
+
+def test_a_stale_epoch_through_the_router_is_computed_on_the_decode_node(
+    cluster: Cluster,
+) -> None:
+    """The router still holds a registration of the prefill node from before a restart (its
+    old epoch; registered here under another id, which it prefers: never routed to): the
+    prefill node refuses the handoff (409), the decode node computes the prompt itself."""
+    nodes = json.loads(urllib.request.urlopen(cluster.router.url + "/cluster/v1/nodes").read())
+    p0 = next(n for n in nodes["data"] if n["node_id"] == "p0")
+    stale = NodeInfo(
+        node_id="a-stale",
+        role="prefill",
+        fingerprint=p0["fingerprint"],
+        url=p0["url"],
+        epoch=p0["epoch"] - 1,
+        served_model=NAME,
+        capacity=p0["capacity"],
+        load={"running": 0, "waiting": 0, "kv_blocks_free": 1000},
+    )
+    body = json.dumps(stale.to_json() | {"ttl_s": 30}).encode()
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(cluster.router.url + "/cluster/v1/nodes", body, headers)
+    urllib.request.urlopen(req, timeout=5).close()
+    try:
+        before = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+        exported = cluster.prefill.health()["kv_handoff_exported"]
+        prompt = list(range(3400, 3550))
+        assert _complete(cluster.router, False, prompt) == _complete(cluster.unified, False, prompt)
+        after = cluster.decode.health()["kv_handoff_recomputed_by_reason"]
+        assert {r: n - before[r] for r, n in after.items() if n != before[r]} == {"failed": 1}
+        assert cluster.prefill.health()["kv_handoff_exported"] == exported
+    finally:
+        url = cluster.router.url + f"/cluster/v1/nodes/a-stale?epoch={p0['epoch'] - 1}"
+        urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=5).close()
+    _idle(cluster.decode)
     _idle(cluster.prefill)
 
 

@@ -1,5 +1,7 @@
-"""The KV handoff's wire format: a payload reads back as the export it was made of, and any
-altered byte, cut, extra byte or foreign / stale / late handoff is rejected with its reason."""
+"""The KV handoff's wire format: a payload reads back as the export it was made of (with the
+keys of the full blocks left in the block store), and any altered byte, cut, extra byte or
+foreign / stale / late handoff, or stored blocks not asked for or not this prompt's, is
+rejected with its reason."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from daemon.cluster.wire import (
     encode,
     prefix_hash,
 )
-from daemon.loop.handoff import HandoffFailed
+from daemon.loop.handoff import Fetched, HandoffFailed, after_blocks
 from daemon.models.base import KVExport, RequestState
 
 PROMPT = list(range(7, 47))
 END = len(PROMPT) - 1
+BLOCK = 16  # 2 full blocks in [0, END), then a partial one
+KEYS = [bytes([i]) * 16 for i in (1, 2)]
 
 
 def _export() -> KVExport:
@@ -48,15 +52,22 @@ def _expected(**changes: object) -> Expected:
     return Expected(**(fields | changes))
 
 
-async def _payload(export: KVExport, meta: HandoffMeta = META) -> bytes:
-    return b"".join([bytes(c) async for c in encode(export, meta)])
+async def _payload(export: KVExport, meta: HandoffMeta = META, stored: int = 0) -> bytes:
+    got = Fetched(after_blocks(export, stored, BLOCK), KEYS[:stored])
+    return b"".join([bytes(c) async for c in encode(got, meta)])
 
 
-async def _read(data: bytes, expect: Expected) -> KVExport:
+async def _fetched(data: bytes, expect: Expected) -> Fetched:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     reader.feed_eof()
     return await decode(reader, expect)
+
+
+async def _read(data: bytes, expect: Expected) -> KVExport:
+    got = await _fetched(data, expect)
+    assert not got.stored
+    return got.export
 
 
 def _reason(data: bytes, expect: Expected | None = None) -> str:
@@ -91,7 +102,7 @@ def test_the_payload_streams_in_bounded_chunks(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(wire, "CHUNK_BYTES", 1000)
 
     async def chunks() -> list[int]:
-        return [len(c) async for c in encode(_export(), META)]
+        return [len(c) async for c in encode(Fetched(_export()), META)]
 
     sizes = asyncio.run(chunks())
     assert max(sizes[1:]) <= 1000 and len(sizes) > 10
@@ -152,3 +163,36 @@ def test_the_prefix_hash_covers_the_positions_and_the_salt() -> None:
     assert prefix_hash(PROMPT, END) == prefix_hash(PROMPT + [1, 2], END)
     assert prefix_hash(PROMPT, END) != prefix_hash(PROMPT, END - 1)
     assert prefix_hash(PROMPT, END) != prefix_hash(PROMPT, END, b"s")
+
+
+def test_blocks_left_in_the_store_are_named_not_sent() -> None:
+    data = asyncio.run(_payload(_export(), stored=2))
+    assert len(data) < len(asyncio.run(_payload(_export())))
+    got = asyncio.run(_fetched(data, _expected(store_keys=KEYS, block_size=BLOCK)))
+    assert got.stored == KEYS
+    assert (got.export.start, got.export.end) == (2 * BLOCK, END)
+    for a, b in zip(got.export.blocks[0], _export().blocks[0]):
+        assert torch.equal(a, b[2:])
+    one = asyncio.run(_fetched(asyncio.run(_payload(_export(), stored=1)), _expected(
+        store_keys=KEYS, block_size=BLOCK
+    )))  # fmt: skip
+    assert one.stored == KEYS[:1] and one.export.start == BLOCK
+    # offered the store, sent everything: fine
+    whole = asyncio.run(_fetched(asyncio.run(_payload(_export())), _expected(
+        store_keys=KEYS, block_size=BLOCK
+    )))  # fmt: skip
+    assert (whole.stored, whole.export.start) == ([], 0)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, "range"),  # the store was not offered
+        ({"store_keys": KEYS[:1], "block_size": BLOCK}, "stored"),  # more than offered
+        ({"store_keys": KEYS[::-1], "block_size": BLOCK}, "stored"),  # another prompt's
+        ({"store_keys": KEYS, "block_size": 8}, "range"),  # another block size
+    ],
+)
+def test_stored_blocks_not_asked_for_are_rejected(change: dict, reason: str) -> None:
+    data = asyncio.run(_payload(_export(), stored=2))
+    assert _reason(data, _expected(**change)) == reason

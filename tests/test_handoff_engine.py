@@ -1,7 +1,9 @@
 """The engine's side of the prefill/decode KV handoff, in one process: a decode engine fed by a
 prefill engine's `prefill_export` (through a KVSource over it) decodes as a unified engine
-does, dense and DeepSeek-V4; a failed, late or misfit fetch is computed locally and counted;
-aborts and cancellations on either side give every block back."""
+does, dense and DeepSeek-V4, the full blocks through the block store both share; a stored
+block removed or corrupted before the decode side reads it is fetched again; a failed, late or
+misfit fetch is computed locally and counted; aborts and cancellations on either side give
+every block back."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from prometheus_client import generate_latest
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine, RequestRejected
-from daemon.loop.handoff import HandoffFailed
+from daemon.loop.handoff import Fetched, HandoffFailed, export_bytes
 from daemon.loop.metrics import EngineMetrics
 from daemon.loop.request import SamplingParams
 from daemon.models.base import KVExport, RequestState
@@ -55,7 +57,8 @@ def checkpoint(family: str, tmp_path_factory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engines(checkpoint: Path, family: str):
+async def engines(checkpoint: Path, family: str, tmp_path_factory):
+    store = str(tmp_path_factory.mktemp(f"{family}-store"))  # the prefill and decode engines'
     settings = dict(
         model=str(checkpoint),
         kv_cache_memory_gb=0.01,
@@ -65,9 +68,12 @@ async def engines(checkpoint: Path, family: str):
     )
     metrics = EngineMetrics()
     built = []
-    for observer in (None, metrics, None):
+    for observer, own in ((None, store), (metrics, store), (None, None)):
         engine, _ = build_engine(
-            EngineConfig(**settings), observer, handoff_timeout_s=20.0, handoff_min_tokens=3
+            EngineConfig(**settings, kv_store_dir=own),
+            observer,
+            handoff_timeout_s=20.0,
+            handoff_min_tokens=3,
         )
         await engine.start()
         built.append(engine)
@@ -91,18 +97,24 @@ class EngineSource:
         self.engine, self.request_id, self.cache_salt = engine, request_id, cache_salt
         self.block_keys: list[bytes] = []
 
-    async def fetch(self, prompt_ids: list[int], block_keys: list[bytes], end: int) -> KVExport:
+    async def fetch(
+        self, prompt_ids: list[int], block_keys: list[bytes], end: int, store=None
+    ) -> Fetched:
         self.block_keys = block_keys
-        export = await self.engine.prefill_export(prompt_ids, self.request_id, self.cache_salt)
-        assert export.end == end
-        return export
+        got = await self.engine.prefill_export(
+            prompt_ids, self.request_id, self.cache_salt, store=store
+        )
+        assert got.export.end == end
+        return got
 
 
 class Raising:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    async def fetch(self, prompt_ids: list[int], block_keys: list[bytes], end: int) -> KVExport:
+    async def fetch(
+        self, prompt_ids: list[int], block_keys: list[bytes], end: int, store=None
+    ) -> Fetched:
         await asyncio.sleep(0)
         raise self.error
 
@@ -114,7 +126,9 @@ class Gated:
         self.source, self.gate = source, asyncio.Event()
         self.started, self.cancelled = asyncio.Event(), False
 
-    async def fetch(self, prompt_ids: list[int], block_keys: list[bytes], end: int) -> KVExport:
+    async def fetch(
+        self, prompt_ids: list[int], block_keys: list[bytes], end: int, store=None
+    ) -> Fetched:
         self.started.set()
         try:
             await self.gate.wait()
@@ -122,17 +136,37 @@ class Gated:
             self.cancelled = True
             raise
         assert self.source is not None
-        return await self.source.fetch(prompt_ids, block_keys, end)
+        return await self.source.fetch(prompt_ids, block_keys, end, store)
 
 
 class Altered:
-    """A real export, altered by `change` before it is returned."""
+    """A real export (all of it: no store offered), altered by `change` before it is
+    returned."""
 
     def __init__(self, source: EngineSource, change) -> None:
         self.source, self.change = source, change
 
-    async def fetch(self, prompt_ids: list[int], block_keys: list[bytes], end: int) -> KVExport:
-        return self.change(await self.source.fetch(prompt_ids, block_keys, end))
+    async def fetch(
+        self, prompt_ids: list[int], block_keys: list[bytes], end: int, store=None
+    ) -> Fetched:
+        return Fetched(self.change((await self.source.fetch(prompt_ids, block_keys, end)).export))
+
+
+class Spoiling:
+    """A real handoff through the store; before the decode side reads them, `spoil` is done
+    to the stored blocks' files (the first fetch only: a second one sends everything)."""
+
+    def __init__(self, source: EngineSource, spoil) -> None:
+        self.source, self.spoil, self.fetches = source, spoil, []
+
+    async def fetch(
+        self, prompt_ids: list[int], block_keys: list[bytes], end: int, store=None
+    ) -> Fetched:
+        got = await self.source.fetch(prompt_ids, block_keys, end, store)
+        self.fetches.append(len(got.stored))
+        if got.stored and len(self.fetches) == 1:
+            self.spoil(self.source.engine.store, got.stored)
+        return got
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -183,9 +217,98 @@ async def test_handoff_decodes_as_a_unified_engine(engines: Engines, family: str
     hits = p.stats()["prefix_hit_tokens"]
     assert await run(d, prompts[0], source=EngineSource(p, f"{family}-again")) == want[0]
     assert p.stats()["prefix_hit_tokens"] > hits
-    hits = d.stats()["prefix_hit_tokens"]
+    hits, swa_hits = d.stats()["prefix_hit_tokens"], d.stats().get("swa_hits", 0)
     assert await run(d, prompts[0]) == want[0]  # no source: its own cache
     assert d.stats()["prefix_hit_tokens"] > hits
+    if family == "v4":  # the imported requests' windows were snapshotted: no replay
+        assert d.stats()["swa_hits"] > swa_hits
+    await settled(p, d)
+
+
+def _corrupt(store, keys: list[bytes]) -> None:
+    """A payload byte of the last stored block flipped (its size unchanged: the prefill side
+    cannot tell)."""
+    path = store.path(keys[-1])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _remove(store, keys: list[bytes]) -> None:
+    store.path(keys[len(keys) // 2]).unlink()
+
+
+def _counts(engine: Engine) -> dict[str, int]:
+    s = engine.handoffs.stats
+    return dict(
+        imported=s.imported,
+        recomputed=sum(s.recomputed.values()),
+        wire=s.bytes_imported,
+        from_store=s.bytes_from_store,
+        blocks=s.blocks_from_store,
+        stored=s.blocks_stored,
+        fallbacks=s.store_fallbacks,
+    )
+
+
+def _grown(engine: Engine, before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in _counts(engine).items()}
+
+
+async def test_full_blocks_come_through_the_store(engines: Engines, family: str) -> None:
+    """The prefill engine leaves the prompt's full blocks in the store they share and sends
+    the rest; the decode engine reads them by key and decodes as a unified engine does."""
+    p, d, u, block = engines.prefill, engines.decode, engines.unified, engines.block
+    ids = prompt(90, 5 * block + 3)
+    full = (len(ids) - 1) // block
+    want = await run(u, ids, SHORT)
+    before, sent = _counts(d), _counts(p)
+    assert await run(d, ids, SHORT, EngineSource(p, f"{family}-store")) == want
+    got = _grown(d, before)
+    assert (got["imported"], got["blocks"], got["fallbacks"]) == (1, full, 0)
+    assert _grown(p, sent)["stored"] == full
+    # what did not go over the wire is exactly the stored blocks
+    direct = await p.prefill_export(ids, f"{family}-direct")
+    assert direct.stored == []
+    assert got["from_store"] == full * p.store.block_bytes
+    assert export_bytes(direct.export) - got["wire"] == got["from_store"]
+    await settled(p, d)
+
+    # the decode side has no store (the unified engine) or another one: all over the wire
+    before = _counts(u)
+    assert await run(u, ids, SHORT, EngineSource(p, f"{family}-nostore")) == want
+    grown = _grown(u, before)
+    assert (grown["imported"], grown["blocks"], grown["wire"]) == (
+        1,
+        0,
+        export_bytes(direct.export),
+    )
+    offer = p.handoffs.offer
+    assert offer is not None and offer == d.handoffs.offer
+    for other in (replace(offer, identity="another"), replace(offer, fingerprint="00" * 16)):
+        assert (
+            await p.prefill_export(ids, f"{family}-{other.identity[:3]}", store=other)
+        ).stored == []
+    same = await p.prefill_export(ids, f"{family}-same", store=offer)
+    assert len(same.stored) == full and same.export.start == full * block
+    await settled(p, d, u)
+
+
+@pytest.mark.parametrize("spoil", [_corrupt, _remove])
+async def test_a_stored_block_spoiled_before_the_read_is_fetched_again(
+    engines: Engines, family: str, spoil
+) -> None:
+    p, d, u, block = engines.prefill, engines.decode, engines.unified, engines.block
+    ids = prompt(100 + (spoil is _remove), 4 * block + 5)
+    want = await run(u, ids, SHORT)
+    before, bad = _counts(d), d.store.counters.bad_files
+    source = Spoiling(EngineSource(p, f"{family}-{spoil.__name__}"), spoil)
+    assert await run(d, ids, SHORT, source) == want
+    # the store path, then (a block missing or failing its checksum) all of it over the wire
+    assert source.fetches == [(len(ids) - 1) // block, 0]
+    got = _grown(d, before)
+    assert (got["imported"], got["fallbacks"], got["recomputed"], got["blocks"]) == (1, 1, 0, 0)
+    assert d.store.counters.bad_files == bad + (spoil is _corrupt)  # and it was removed
     await settled(p, d)
 
 
@@ -332,7 +455,7 @@ async def test_cancelled_export_gives_the_prefill_blocks_back(
     assert not p.requests and p.stats()["kv_handoffs_in_flight"] == 0
     await settled(p)
     # and a clean one after it; an id in use or a one-token prompt is refused
-    export = await p.prefill_export(ids, f"{family}-after")
+    export = (await p.prefill_export(ids, f"{family}-after")).export
     assert (export.start, export.end) == (0, len(ids) - 1)
     with pytest.raises(RequestRejected):
         await p.prefill_export([3], f"{family}-one")

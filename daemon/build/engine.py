@@ -59,11 +59,15 @@ def build_engine(
     handoff_timeout_s: float = 30.0,
     handoff_min_tokens: int = 2,
     remote_images: RemoteEncoder | None = None,
+    handoff_store: bool = True,
+    handoff_store_wait_s: float = 1.0,
 ) -> tuple[Engine, str]:
     """The engine and the name it serves the model under; `metrics`: its request observer
     (what /metrics serves), None for none; `handoff_timeout_s`: the most a KV handoff from a
     prefill node may take before the prompt is computed here; `handoff_min_tokens`: shorter
-    prompts are computed here without one; `remote_images`: makes the encoder a vision
+    prompts are computed here without one; `handoff_store`: a handoff's full blocks may go
+    through the block store (a prefill side waiting `handoff_store_wait_s` at most for a
+    block's write); `remote_images`: makes the encoder a vision
     model's images go to (encoder nodes; None: its own tower). A model, device or KV budget
     that cannot serve raises StartupError."""
     cfg = implied(cfg)
@@ -151,6 +155,8 @@ def build_engine(
         observer=metrics,
         handoff_timeout_s=handoff_timeout_s,
         handoff_min_tokens=handoff_min_tokens,
+        handoff_store=handoff_store,
+        handoff_store_wait_s=handoff_store_wait_s,
         images=image_embeddings(cfg, model, device, hf_config, dtype, remote_images),
     )
     if metrics is not None:

@@ -33,6 +33,12 @@ class ClusterConfig:
     image_encoders: list[str] = field(default_factory=list)
     image_encode_timeout_s: float = 10.0  # per encoder tried
     handoff_min_tokens: int = 2  # a decode node computes shorter prompts itself, no handoff
+    # full blocks go through the block store (both nodes' --kv-store-dir, the same store) and
+    # only the rest over HTTP; off: every block over HTTP
+    handoff_store: bool = True
+    handoff_store_wait_s: float = (
+        1.0  # a prefill node sends a block whose write is not done by then
+    )
     role_drain_timeout_s: float = 60.0  # a live role change not drained by then is undone
     # the router's P:D autoscaler (cluster/autoscale.py): off unless asked for
     autoscale: bool = False

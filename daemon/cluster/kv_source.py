@@ -1,5 +1,7 @@
 """The decode side's KVSource over HTTP: the router names a prefill node, the node computes the
-prompt and streams its KV state (wire.py), checked here before the engine imports it."""
+prompt and streams its KV state (wire.py), checked here before the engine imports it. Offered
+this node's block store, a prefill node sharing it leaves the full blocks published there out
+of the stream."""
 
 from __future__ import annotations
 
@@ -10,8 +12,7 @@ import aiohttp
 import orjson
 
 from daemon.cluster.wire import CONTENT_TYPE, MAX_PAYLOAD_BYTES, Expected, decode, prefix_hash
-from daemon.loop.handoff import HandoffFailed
-from daemon.models.base import KVExport
+from daemon.loop.handoff import Fetched, HandoffFailed, StoreOffer
 
 ROUTE_PATH = "/cluster/v1/route/prefill"
 PREFILL_PATH = "/cluster/v1/prefill"
@@ -45,11 +46,18 @@ class HttpKVSource:
     prefill: PrefillNode | None = None
     max_bytes: int = MAX_PAYLOAD_BYTES
 
-    async def fetch(self, prompt_ids: list[int], block_keys: list[bytes], end: int) -> KVExport:
+    async def fetch(
+        self,
+        prompt_ids: list[int],
+        block_keys: list[bytes],
+        end: int,
+        store: StoreOffer | None = None,
+    ) -> Fetched:
         try:
             async with asyncio.timeout(self.timeout_s):
-                node = self.prefill or await self._route(prompt_ids, block_keys)
-                return await self._prefill(node, prompt_ids, end)
+                if self.prefill is None:  # a second fetch asks the same node again
+                    self.prefill = await self._route(prompt_ids, block_keys)
+                return await self._prefill(self.prefill, prompt_ids, end, block_keys, store)
         except aiohttp.ClientError as e:  # payload / protocol errors: counted as connection
             if isinstance(e, OSError):
                 raise
@@ -84,9 +92,16 @@ class HttpKVSource:
             raise HandoffFailed("the router's prefill route is malformed")
         return node
 
-    async def _prefill(self, node: PrefillNode, prompt_ids: list[int], end: int) -> KVExport:
+    async def _prefill(
+        self,
+        node: PrefillNode,
+        prompt_ids: list[int],
+        end: int,
+        block_keys: list[bytes],
+        store: StoreOffer | None,
+    ) -> Fetched:
         expected_hash = prefix_hash(prompt_ids, end, self.cache_salt)
-        body = {
+        body: dict[str, object] = {
             "request_id": self.request_id,
             "prompt_ids": prompt_ids,
             "cache_salt": self.cache_salt.hex(),
@@ -95,6 +110,12 @@ class HttpKVSource:
             "prefix_hash": expected_hash,
             "lease_ms": node.lease_ms,
         }
+        if store is not None:
+            body["store"] = {
+                "id": store.identity,
+                "fingerprint": store.fingerprint,
+                "block_size": store.block_size,
+            }
         # the total is the fetch's own (the caller's asyncio.timeout)
         timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S)
         async with self.session.post(
@@ -108,6 +129,13 @@ class HttpKVSource:
             if resp.status != 200 or resp.content_type != CONTENT_TYPE:
                 raise HandoffFailed(f"prefill node {node.node_id} answered {resp.status}")
             expect = Expected(
-                self.request_id, node.epoch, expected_hash, self.fingerprint, end, self.max_bytes
+                self.request_id,
+                node.epoch,
+                expected_hash,
+                self.fingerprint,
+                end,
+                self.max_bytes,
+                store_keys=block_keys[: end // store.block_size] if store is not None else [],
+                block_size=store.block_size if store is not None else 0,
             )
             return await decode(resp.content, expect)

@@ -1,5 +1,6 @@
 """The KV handoff's wire format: a request's KVExport and its handoff metadata as a byte stream
-(header with a manifest, the tensors, a trailer), and the reader that checks all of it."""
+(header with a manifest and the keys of the full blocks left in the shared block store, the
+tensors, a trailer), and the reader that checks all of it."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import struct
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import orjson
 import torch
 
-from daemon.loop.handoff import HandoffFailed
+from daemon.loop.handoff import Fetched, HandoffFailed
 from daemon.models.base import KVExport, RequestState
 
 MAGIC = b"DIKV"
 TRAILER_MAGIC = b"DIKE"
-VERSION = 1
+VERSION = 2  # 2: the header names the blocks left in the block store ("stored")
 _FRAME = struct.Struct(">4sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 1 << 14
@@ -100,9 +101,10 @@ def _manifest(named: list[tuple[str, torch.Tensor]]) -> tuple[list[_Tensor], lis
     return entries, raws
 
 
-async def encode(export: KVExport, meta: HandoffMeta) -> AsyncIterator[bytes | memoryview]:
+async def encode(got: Fetched, meta: HandoffMeta) -> AsyncIterator[bytes | memoryview]:
     """The payload's byte chunks: frame + JSON header, each tensor's bytes (in chunks of at
     most CHUNK_BYTES), then the trailer (sha256 of everything before it)."""
+    export = got.export
     entries, raws = await asyncio.to_thread(_manifest, _named(export))
     header = orjson.dumps(
         {
@@ -114,6 +116,7 @@ async def encode(export: KVExport, meta: HandoffMeta) -> AsyncIterator[bytes | m
             "start": export.start,
             "end": export.end,
             "position": export.state.position,
+            "stored": [k.hex() for k in got.stored],
             "tensors": [e.__dict__ for e in entries],
         }
     )
@@ -148,6 +151,10 @@ class Expected:
     end: int  # the positions the KV must cover: [0, end)
     max_bytes: int = MAX_PAYLOAD_BYTES
     clock: Callable[[], float] = time.time
+    # the keys of the full blocks of [0, end) the payload may leave in the block store (a
+    # leading part of them) and the block size; none: the payload must hold all of [0, end)
+    store_keys: list[bytes] = field(default_factory=list)
+    block_size: int = 0
 
 
 class PayloadRejected(HandoffFailed):
@@ -162,7 +169,7 @@ def fail(reason: str, detail: str) -> PayloadRejected:
     return PayloadRejected(reason, detail)
 
 
-async def decode(reader: ByteReader, expect: Expected) -> KVExport:
+async def decode(reader: ByteReader, expect: Expected) -> Fetched:
     """Reads and checks a whole payload; HandoffFailed (with a `reason`) for anything short,
     malformed, altered or not this handoff's. Nothing is returned before the trailer checks."""
     whole = hashlib.sha256()
@@ -174,6 +181,7 @@ async def decode(reader: ByteReader, expect: Expected) -> KVExport:
         raise fail("too_large", f"header of {length} bytes")
     header = _header(await _read(reader, length, whole))
     _check_meta(header, expect)
+    stored = _stored(header, expect)
     entries = _entries(header["tensors"], expect.max_bytes)
     tensors: dict[str, torch.Tensor] = {}
     for e in entries:
@@ -185,7 +193,7 @@ async def decode(reader: ByteReader, expect: Expected) -> KVExport:
         raise fail("format", "bytes after the trailer")
     if expect.clock() > header["lease_deadline"]:  # checked last: the read took time
         raise fail("lease_expired", "the handoff's lease ran out")
-    return _export(header, entries, tensors)
+    return Fetched(_export(header, entries, tensors), stored)
 
 
 async def _read(reader: ByteReader, n: int, whole: hashlib._Hash | None) -> bytes:
@@ -212,6 +220,7 @@ def _header(raw: bytes) -> dict:
         "start": int,
         "end": int,
         "position": int,
+        "stored": list,
         "tensors": list,
     }
     if not isinstance(header, dict):
@@ -231,12 +240,26 @@ def _check_meta(header: dict, expect: Expected) -> None:
         raise fail("epoch", f"payload of epoch {header['epoch']}, expected {expect.epoch}")
     if header["prefix_hash"] != expect.prefix_hash:
         raise fail("prefix_hash", "the KV is of another prompt")
-    if header["start"] != 0 or header["end"] != expect.end or header["position"] != expect.end:
+    start = len(header["stored"]) * expect.block_size
+    if header["start"] != start or header["end"] != expect.end or header["position"] != expect.end:
         raise fail(
-            "range", f"KV of [{header['start']}, {header['end']}), expected [0, {expect.end})"
+            "range",
+            f"KV of [{header['start']}, {header['end']}), expected [{start}, {expect.end})",
         )
     if expect.clock() > header["lease_deadline"]:
         raise fail("lease_expired", "the handoff's lease ran out")
+
+
+def _stored(header: dict, expect: Expected) -> list[bytes]:
+    """The stored blocks' keys: the first of those the decode node offered the store for."""
+    raw = header["stored"]
+    if len(raw) > len(expect.store_keys):
+        raise fail(
+            "stored", f"{len(raw)} blocks left in the store, at most {len(expect.store_keys)}"
+        )
+    if [k.hex() for k in expect.store_keys[: len(raw)]] != raw:
+        raise fail("stored", "the stored blocks are not this prompt's")
+    return expect.store_keys[: len(raw)]
 
 
 def _entries(raw: list, max_bytes: int) -> list[_Tensor]:

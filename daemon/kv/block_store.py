@@ -34,6 +34,10 @@ log = structlog.get_logger(__name__)
 
 SUFFIX = ".kvb"
 TMP_MARK = ".tmp."
+# names the store (a random id, made by its first user): daemons that read the same id share
+# one store, whatever path each mounts it at
+IDENTITY_FILE = "store-id"
+LOOK_S = 0.05  # the least time `published` gives its look at the files
 # Writes wait on nobody: their threads run at this much lower priority, so that a burst of
 # them (a prefill's blocks) does not take cores (and the GIL) from the forward's threads.
 WRITER_NICE = 10
@@ -93,14 +97,37 @@ class BlockStore:
         self.counters = StoreCounters()
         self.usage: StoreUsage | None = None  # unknown until the first sweep
         self._pending: set[Future[bool]] = set()
+        self._pending_by_key: dict[bytes, Future[bool]] = {}  # each key's last write
         self._reading: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._writes_paused_until = 0.0
         self._logged: set[str] = set()
+        self.identity: str | None = None  # None: the store could not be named (unwritable)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self._write_failed(e)
+        else:
+            try:
+                self.identity = self._identity()
+            except OSError as e:
+                self._log_once("kv_store_unnamed", e)
+
+    def _identity(self) -> str:
+        """The store's id, made once by whoever comes first (linked into place: no reader
+        sees a torn one, no two writers both win)."""
+        path = self.dir / IDENTITY_FILE
+        if not path.exists():
+            tmp = path.with_name(f"{IDENTITY_FILE}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another daemon named it first
+            finally:
+                tmp.unlink()
+        with open_regular(path) as f:
+            return f.read(64).decode("ascii", "replace").strip()
 
     def path(self, key: bytes) -> Path:
         name = key.hex()
@@ -215,6 +242,19 @@ class BlockStore:
             with contextlib.suppress(OSError):
                 os.utime(self.path(key))
 
+    def count_published(self, keys: list[bytes]) -> int:
+        """How many leading `keys` have a published file of a block's size (its content is
+        checked by whoever reads it)."""
+        size = HEADER_BYTES + self.block_bytes
+        for n, key in enumerate(keys):
+            try:
+                st = os.stat(self.path(key))
+            except OSError:
+                return n
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                return n
+        return len(keys)
+
     def is_reading(self, path: str) -> bool:
         with self._lock:
             return self._reading[path] > 0
@@ -255,8 +295,31 @@ class BlockStore:
             self.counters.dropped_writes += 1
             return
         future = self.writer.submit(self.write, key, payload, traffic_class)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+        with self._lock:
+            self._pending.add(future)
+            self._pending_by_key[key] = future
+        future.add_done_callback(lambda f: self._written(key, f))
+
+    def _written(self, key: bytes, future: Future[bool]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+            if self._pending_by_key.get(key) is future:
+                del self._pending_by_key[key]
+
+    async def published(self, keys: list[bytes], timeout_s: float) -> int:
+        """How many leading `keys` are published in the store: the writes submitted for them
+        waited for, then their files looked at; what is not known within `timeout_s` (a
+        write still queued, a hung file system) is not published."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        with self._lock:
+            writes = [asyncio.wrap_future(f) for k in keys if (f := self._pending_by_key.get(k))]
+        if writes:
+            await asyncio.wait(writes, timeout=timeout_s)
+        look = loop.run_in_executor(self.pool, self.count_published, keys)
+        # the look itself gets a moment even when the writes took all of `timeout_s`
+        done, _ = await asyncio.wait([look], timeout=max(LOOK_S, deadline - loop.time()))
+        return look.result() if done else 0
 
     def submit_touch(self, keys: list[bytes]) -> None:
         self.pool.submit(self.touch, keys)

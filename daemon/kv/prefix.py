@@ -187,6 +187,13 @@ class PrefixCache:
             )
         return None
 
+    def imported(self, req: PrefixRequest) -> None:
+        """A request admitted with its prompt's KV imported (a handoff), past `admit`: its
+        sliding window is snapshotted where an admission would have marked it (the prompt's
+        last full blocks, still in the ring), for a repeat of the prompt here to resume."""
+        if self.swa is not None:
+            req.prefix.swa_marks = snapshot_marks(req.num_known_tokens, 0, 0, 0, self.block)
+
     def chunk_limit(self, req: PrefixRequest, n: int) -> int:
         """At most `n` tokens for the request's next chunk, ending where the SWA ring still
         holds the window before its next snapshot boundary (one block past it)."""

@@ -27,7 +27,7 @@ from daemon.kv.request_state import PrefixState
 from daemon.kv.store_gc import StoreSweeper
 from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
-from daemon.loop.handoff import KVSource
+from daemon.loop.handoff import Fetched, KVSource, StoreOffer
 from daemon.loop.handoffs import Handoffs
 from daemon.loop.images import ImageEmbeddings, ImageInput, ImageSpan
 from daemon.loop.moe_control import MoEControl
@@ -105,6 +105,8 @@ class Engine:
         observer: RequestObserver | None = None,
         handoff_timeout_s: float = 30.0,
         handoff_min_tokens: int = 2,
+        handoff_store: bool = True,
+        handoff_store_wait_s: float = 1.0,
         images: ImageEmbeddings | None = None,
     ) -> None:
         """`prefix`: the scheduler's prefix cache; `store`: its block store, which the engine
@@ -114,8 +116,10 @@ class Engine:
         the most a KV handoff (reserving blocks, fetching, importing) may take before the
         request computes its prompt here instead; a prompt shorter than `handoff_min_tokens`
         is computed here without one (cheaper than waiting behind a prefill node's long
-        prompts); `images`: the image embeddings of a vision-language model (None: the engine
-        takes no images)."""
+        prompts); `handoff_store`: full blocks of a handoff may go through the block store
+        (`store`, when both nodes have the same), a prefill side waiting `handoff_store_wait_s`
+        at most for a block's write before it sends the block instead; `images`: the image
+        embeddings of a vision-language model (None: the engine takes no images)."""
         self.handoff_min_tokens = max(2, handoff_min_tokens)
         self.runner = runner
         self.images = images
@@ -155,6 +159,9 @@ class Engine:
             admit=self._admit_imported,
             compute=self._enqueue,
             wake=self._wake,
+            store=store if handoff_store else None,
+            copier=runner.copier,
+            store_wait_s=handoff_store_wait_s,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -343,13 +350,16 @@ class Engine:
         request_id: str,
         cache_salt: bytes = b"",
         traffic_class: str = "chat",
-    ) -> KVExport:
+        store: StoreOffer | None = None,
+    ) -> Fetched:
         """The prefill side of a handoff: compute positions [0, len - 1) of the prompt (prefix
         cache hits used as for any request), export their KV state to the host and release
         the request (its full blocks stay in the prefix cache and go to the store as for any
-        finished request). Cancelling it frees everything the request holds. Raises
-        RequestRejected for a prompt this engine cannot take, HandoffFailed if the request
-        is aborted (the engine stops or fails) or its export fails."""
+        finished request). Asked with `store`, the decode node's block store, and that is
+        this node's too, the leading full blocks published in it are left out of the export
+        (`Fetched.stored` names them). Cancelling it frees everything the request holds.
+        Raises RequestRejected for a prompt this engine cannot take, HandoffFailed if the
+        request is aborted (the engine stops or fails) or its export fails."""
         if len(prompt_ids) < 2:
             raise RequestRejected("a KV handoff needs a prompt of at least 2 tokens", "prompt")
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -362,19 +372,25 @@ class Engine:
         try:
             self._enqueue(req)
             export = await done
+            keys = self.prefix.keys(req) if self.prefix is not None else []
             if not req.finished:
                 self._finish(req, FinishReason.LENGTH)
         finally:
-            self.handoffs.exported(req.request_id, export)
+            self.handoffs.read_out(req.request_id, export is not None)
             if not req.finished:
                 self.abort(req.request_id)
-        return export
+        assert export is not None
+        got = await self.handoffs.leave_stored(export, keys, store)
+        self.handoffs.exported(got)
+        return got
 
     def _prefilled(self, req: Request) -> None:
         """An export's request has computed its prompt: park it (blocks kept) and read them."""
         if req.status != RequestStatus.RUNNING:
             req.num_sampled_scheduled = 0  # preempted while its last chunk ran: computes again
             return
+        if self.prefix is not None:  # its last full blocks' store writes go with the export
+            self.prefix.register(req)
         self.scheduler.park(req)
         self.handoffs.export(req, [list(t) for t in self.kv.block_tables(req.request_id)])
 

@@ -247,17 +247,36 @@ def _handoff(stats: dict) -> Iterator[Metric]:
     yield reasons
     moved = CounterMetricFamily(
         "deepinfer:kv_handoff_bytes",
-        "Bytes of KV state moved by handoffs, by direction (imported, exported).",
+        "Bytes of KV state moved by handoffs, by direction: imported and exported (over HTTP), "
+        "from_store (full blocks the decode side read from the shared block store).",
         labels=["direction"],
     )
     moved.add_metric(["imported"], stats["kv_handoff_bytes_imported"])
     moved.add_metric(["exported"], stats["kv_handoff_bytes_exported"])
+    moved.add_metric(["from_store"], stats["kv_handoff_bytes_from_store"])
     yield moved
+    blocks = CounterMetricFamily(
+        "deepinfer:kv_handoff_store_blocks",
+        "Full blocks of handoffs through the shared block store: stored (prefill side: left in "
+        "the store, not sent), read (decode side: read from it).",
+        labels=["result"],
+    )
+    blocks.add_metric(["stored"], stats["kv_handoff_blocks_stored"])
+    blocks.add_metric(["read"], stats["kv_handoff_blocks_from_store"])
+    yield blocks
+    yield CounterMetricFamily(
+        "deepinfer:kv_handoff_store_fallbacks",
+        "Handoffs whose stored blocks did not all read back (missing, corrupt or late): "
+        "fetched again over HTTP, or computed here if that failed too.",
+        value=stats["kv_handoff_store_fallbacks"],
+    )
     seconds = CounterMetricFamily(
         "deepinfer:kv_handoff_seconds",
         "Seconds spent in handoffs that succeeded, by phase: fetch (decode side: route, the "
-        "prefill node's compute, the payload), import (decode side, into the reserved blocks), "
-        "export (prefill side: compute and device read), send (prefill side: the payload).",
+        "prefill node's compute, the payload), store (decode side: full blocks read from the "
+        "block store), import (decode side, into the reserved blocks), export (prefill side: "
+        "compute and device read), publish (prefill side: waiting for full blocks' store "
+        "writes), send (prefill side: the payload).",
         labels=["phase"],
     )
     for phase, value in stats["kv_handoff_seconds_by_phase"].items():

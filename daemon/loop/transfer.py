@@ -9,6 +9,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
+from daemon.kv.block_copy import BlockCopier
 from daemon.loop.handoff import HandoffFailed, LayoutMismatch, check_state
 from daemon.models.base import KVExport, ModelCache
 
@@ -50,14 +53,22 @@ class KVTransfer(ABC):
 @dataclass(eq=False)
 class KVImport(KVTransfer):
     """Write `export` (checked against the cache's paged layout already) into the request's
-    blocks, once its per-request state is found to fit too."""
+    blocks, once its per-request state is found to fit too; the full blocks before its start
+    from `stored` (block-store payloads, as `copier` gathers them: one per block, into
+    `stored_blocks`, each its block in every paged group)."""
 
     export: KVExport | None = None
+    stored: list[torch.Tensor] = field(default_factory=list, repr=False)
+    stored_blocks: list[list[int]] = field(default_factory=list)
+    copier: BlockCopier | None = field(default=None, repr=False)
 
     def _apply(self, cache: ModelCache) -> None:
         assert self.export is not None
         check_state(self.export, cache, self.tables)
         try:
+            if self.stored:
+                assert self.copier is not None
+                self.copier.scatter(self.stored_blocks, self.stored)
             cache.import_kv(self.export, self.tables)
         except (ValueError, RuntimeError, TypeError) as e:  # what the copies raise on a misfit
             raise LayoutMismatch(f"the export does not fit this cache: {e}") from e

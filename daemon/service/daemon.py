@@ -71,6 +71,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
                 metrics,
                 handoff_timeout_s=settings.cluster.handoff_timeout_s,
                 handoff_min_tokens=settings.cluster.handoff_min_tokens,
+                handoff_store=settings.cluster.handoff_store,
+                handoff_store_wait_s=settings.cluster.handoff_store_wait_s,
                 remote_images=remote_encoder(settings.cluster, server_cfg.api_key),
             )
             # restored first: past pop_all no _StopStarting could reach the `except` below

@@ -195,6 +195,21 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         f"ones; default {_default(ClusterConfig, 'handoff_min_tokens')}: always hand off)",
     )
     c.add_argument(
+        "--handoff-store",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="a handoff's full blocks go through the block store when both nodes have the same "
+        "one (--kv-store-dir), the rest over HTTP; --no-handoff-store: every block over HTTP "
+        "(default on)",
+    )
+    c.add_argument(
+        "--handoff-store-wait-s",
+        type=float,
+        default=S,
+        help="a prefill node waits this long at most for a full block's store write, then sends "
+        f"it over HTTP (default {_default(ClusterConfig, 'handoff_store_wait_s')})",
+    )
+    c.add_argument(
         "--role-drain-timeout-s",
         type=float,
         default=S,

@@ -299,6 +299,8 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError("cluster.handoff_timeout_s", "must be positive")
     if c.handoff_min_tokens < 2:
         raise ConfigError("cluster.handoff_min_tokens", "must be at least 2 (tokens)")
+    if not 0 <= c.handoff_store_wait_s <= 60:
+        raise ConfigError("cluster.handoff_store_wait_s", "must be in [0, 60] (seconds)")
     if c.role_drain_timeout_s <= 0:
         raise ConfigError("cluster.role_drain_timeout_s", "must be positive")
     _check_autoscale(c, sv)

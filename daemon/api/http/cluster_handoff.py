@@ -22,7 +22,7 @@ from daemon.cluster.kv_source import PREFILL_PATH, HttpKVSource
 from daemon.cluster.live_role import LiveRole
 from daemon.cluster.wire import CONTENT_TYPE, HandoffMeta, encode, prefix_hash
 from daemon.loop.engine import RequestRejected
-from daemon.loop.handoff import HandoffFailed, KVSource
+from daemon.loop.handoff import HandoffFailed, KVSource, StoreOffer
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +92,9 @@ def stale_epoch(epoch: object, own: int) -> ApiError:
 
 async def prefill(request: web.Request) -> web.StreamResponse:
     """{"request_id", "prompt_ids", "cache_salt" (hex), "traffic_class", "epoch", "prefix_hash",
-    "lease_ms"} -> the KV state of positions [0, len - 1) in the wire format. 503 while this
+    "lease_ms", "store" (optional: the decode node's block store, {"id", "fingerprint",
+    "block_size"})} -> the KV state of positions [0, len - 1) in the wire format, less the
+    leading full blocks published in that store when it is this node's too. 503 while this
     node is no prefill node (or drains its prefill role)."""
     with _admitted(request.app[HANDOFF], "prefill"):
         return await _prefill(request)
@@ -124,6 +126,7 @@ async def _prefill(request: web.Request) -> web.StreamResponse:
         or not 0 < lease_ms <= MAX_LEASE_MS
     ):
         raise bad_request(f"'lease_ms' must be an integer in (0, {MAX_LEASE_MS}]", "lease_ms")
+    store = _store_offer(body.get("store"))
     end = len(prompt) - 1
     digest = prefix_hash(prompt, end, salt)
     if body.get("prefix_hash") != digest:
@@ -133,7 +136,7 @@ async def _prefill(request: web.Request) -> web.StreamResponse:
     if rid in state.engine.requests:
         raise ApiError(409, f"handoff {handoff_id} is already running", param="request_id")
     try:
-        export = await state.engine.prefill_export(prompt, rid, salt, traffic_class)
+        got = await state.engine.prefill_export(prompt, rid, salt, traffic_class, store)
     except RequestRejected as e:
         raise bad_request(str(e), e.param) from None
     except HandoffFailed as e:
@@ -147,14 +150,39 @@ async def _prefill(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers={"Content-Type": CONTENT_TYPE})
     sending = time.monotonic()
     await response.prepare(request)
-    async for chunk in encode(export, meta):
+    async for chunk in encode(got, meta):
         await response.write(chunk)
     await response.write_eof()
     state.engine.handoffs.sent(time.monotonic() - sending)
     log.info(
-        "kv_handoff_sent", handoff_id=handoff_id, tokens=end, seconds=round(time.time() - start, 4)
+        "kv_handoff_sent",
+        handoff_id=handoff_id,
+        tokens=end,
+        stored_blocks=len(got.stored),
+        seconds=round(time.time() - start, 4),
     )
     return response
+
+
+def _store_offer(raw: object) -> StoreOffer | None:
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("id"), str)
+        or not 0 < len(raw["id"]) <= 128
+        or not isinstance(raw.get("fingerprint"), str)
+        or len(raw["fingerprint"]) > 128
+        or not isinstance(raw.get("block_size"), int)
+        or isinstance(raw["block_size"], bool)
+        or raw["block_size"] <= 0
+    ):
+        raise bad_request(
+            "'store' must be an object with 'id', 'fingerprint' (strings) and 'block_size' "
+            "(a positive integer)",
+            "store",
+        )
+    return StoreOffer(raw["id"], raw["fingerprint"], raw["block_size"])
 
 
 def _salt(raw: object) -> bytes:
