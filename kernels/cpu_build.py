@@ -4,6 +4,7 @@ $DEEPINFER_CACHE/torch-extensions)."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import time
@@ -47,15 +48,23 @@ def load() -> bool:
     started = time.perf_counter()
     try:
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="deepinfer_cpu_kernels",
-            sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
+        with open(build / "deepinfer.flock", "w") as held:
+            # torch's own lock is a file that a build killed midway leaves behind, and every
+            # later process then waits on it forever; this lock dies with its process, and
+            # whoever holds it knows that a torch lock left there is such a leftover
+            fcntl.flock(held, fcntl.LOCK_EX)
+            if (build / "lock").exists():
+                log.warning("cpu_kernels_stale_lock_removed", path=str(build / "lock"))
+                (build / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name="deepinfer_cpu_kernels",
+                sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # a failed build raises whatever the toolchain gave
         log.warning("cpu_kernels_unavailable", error=f"{type(e).__name__}: {e}"[:500])
         _loaded = False
