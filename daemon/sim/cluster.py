@@ -39,6 +39,9 @@ class ClusterConfig:
     decode: int = 0  # decode nodes, after the prefill ones
     # the KV handoff from a prefill to a decode node: bytes of the prompt's KV blocks
     link: Bandwidth = field(default_factory=lambda: Bandwidth(25e9, 1e-4))
+    # clients: at most this many requests in flight (0: no bound); a request arriving while as
+    # many are in flight is sent when one finishes, as `bench serve --max-concurrency` does
+    max_concurrency: int = 0
 
     @property
     def total_nodes(self) -> int:
@@ -106,9 +109,9 @@ class Job:
     prefill_node: SimNode | None = None
 
 
-ARRIVE, LOADED, STEP_DONE, HANDOFF = 0, 1, 2, 3
-# an event's place in the heap: (time, 0, trace index) for arrivals, which go first at a
-# time, then (time, 1, issued at, 0, issue count) for store reads and handoffs and (time, 1,
+ARRIVE, LOADED, STEP_DONE, HANDOFF, SEND = 0, 1, 2, 3, 4
+# an event's place in the heap: (time, 0, trace index) for arrivals and sends (a request held
+# by the clients' concurrency bound), which go first at a time, then (time, 1, issued at, 0, issue count) for store reads and handoffs and (time, 1,
 # launched at, 1, node) for steps: an order that does not depend on how many steps ran in
 # between
 Key = tuple[float, ...]
@@ -169,6 +172,9 @@ class Simulation:
         for i, t in enumerate(self.arrivals):
             heapq.heappush(self.heap, ((t, 0, i), ARRIVE, i))
         self.arrived = 0
+        self.in_flight = 0  # sent, not finished or refused
+        self.held: deque[int] = deque()  # arrived, not sent: the concurrency bound is reached
+        self.sending = 0  # held requests whose send is in the heap (at the current time)
         self.issues = itertools.count()
         # each node's own coming events (store reads, handoffs to it): their times
         self.pending: list[list[float]] = [[] for _ in self.nodes]
@@ -201,6 +207,13 @@ class Simulation:
                 self.samples.append(self._sample(self.next_sample))
                 self.next_sample += self.sample_every_s
             if kind == ARRIVE:
+                self.arrived += 1
+                if 0 < self.cfg.max_concurrency <= self.in_flight + len(self.held):
+                    self.held.append(what)  # type: ignore[arg-type]
+                else:
+                    self._arrive(what)  # type: ignore[arg-type]
+            elif kind == SEND:
+                self.sending -= 1
                 self._arrive(what)  # type: ignore[arg-type]
             elif kind == LOADED:
                 node, req, keys, found = what  # type: ignore[misc]
@@ -230,7 +243,7 @@ class Simulation:
     # ---- events ------------------------------------------------------------------------------
 
     def _arrive(self, i: int) -> None:
-        self.arrived += 1
+        self.in_flight += 1
         t = self.trace[i]
         prompt = prompt_tokens(t, VOCAB)
         req = self._request(f"sim-{i}", prompt, t.output_length)
@@ -252,7 +265,7 @@ class Simulation:
             rec.rejected = True  # as Engine.add_request refuses it
             if pair is not None:
                 self.pairs.done(node)
-            self.finished()
+            self._finished()
             return
         job = Job(req, rec, node)
         self.jobs[req.request_id] = job
@@ -314,10 +327,19 @@ class Simulation:
                 else:
                     self.pairs.done(node)
                 del self.jobs[req.request_id]
-                self.finished()
+                self._finished()
         if self.reserving[node.index]:
             self._reserve(node)
         self._kick(node)
+
+    def _finished(self) -> None:
+        """A request is done (or refused): its client's slot sends the next one held."""
+        self.in_flight -= 1
+        if self.held:
+            i = self.held.popleft()
+            self.sending += 1
+            heapq.heappush(self.heap, ((self.now, 0, i), SEND, i))
+        self.finished()
 
     def _late(self, what: str) -> None:
         self.late[what] += 1
@@ -369,7 +391,9 @@ class Simulation:
     def _quiet_until(self, node: SimNode) -> float:
         """Before when nothing can see or change the node: the next arrival (the router reads
         every node), its own store reads and handoffs, the end of a step on a prefill node
-        holding a request it will decode (plus the link's latency), the next sample."""
+        holding a request it will decode (plus the link's latency), the next sample; with requests
+        held by the concurrency bound, the end of any node's step (it may finish a request,
+        which sends the next), and now while a send is due."""
         until = min(
             self.arrivals[self.arrived] if self.arrived < len(self.arrivals) else math.inf,
             min(self.pending[node.index], default=math.inf),
@@ -381,6 +405,11 @@ class Simulation:
                 until = min(
                     until, (p.end_s if p is not None else self.now) + self.cfg.link.latency_s
                 )
+        if self.sending:
+            until = self.now
+        if self.held:
+            ends = (n.running.end_s for n in self.nodes if n.running is not None)
+            until = min(until, min(ends, default=math.inf))
         return until
 
     def _sample(self, t: float) -> Sample:

@@ -104,6 +104,12 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="arrival times times this (2: half rate)"
     )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="clients: at most N requests in flight, the next sent as one finishes (0: no bound)",
+    )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -187,6 +193,7 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.prefill,
         args.decode,
         Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
+        args.max_concurrency,
     )
 
 
@@ -293,6 +300,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0"
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
+    if args.max_concurrency < 0:
+        return "--max-concurrency must be >= 0 (0: no bound)"
     if not args.time_scale > 0 or math.isinf(args.time_scale):
         return "--time-scale must be a positive number"
     return None

@@ -44,6 +44,7 @@ def summarize(run: SimRun) -> dict:
             "link": asdict(run.cfg.link),
             "policy": run.cfg.policy,
             "time_scale": run.cfg.time_scale,
+            "max_concurrency": run.cfg.max_concurrency,
             "store_bytes": _finite(run.cfg.store_bytes),
             "node": {k: _finite(v) for k, v in asdict(run.cfg.node).items()},
         },

@@ -1,0 +1,63 @@
+"""The clients' concurrency bound in the simulator (`--max-concurrency`, as `deepinfer bench
+serve`'s): never more requests in flight, each held request sent the moment one finishes, and
+decode runs taken at once change nothing, unified and in pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.sim.cluster import ClusterConfig, simulate
+from daemon.sim.node import NodeConfig
+from daemon.sim.result import summarize
+from daemon.sim.trace import TraceRequest
+from tests.sim_traces import table
+
+MB = 2**20
+NODE = NodeConfig(16 * MB, 0, 8, 2048)
+
+
+def burst(n: int = 12) -> list[TraceRequest]:
+    """`n` requests at once, prompts of their own blocks, outputs of different lengths."""
+    return [TraceRequest(0.0, 100 + 37 * i, 5 + 3 * (i % 4), (1000 * i,)) for i in range(n)]
+
+
+def config(bound: int, pairs: bool = False) -> ClusterConfig:
+    nodes, prefill, decode = (0, 1, 1) if pairs else (1, 0, 0)
+    return ClusterConfig(nodes, NODE, 0.0, prefill=prefill, decode=decode, max_concurrency=bound)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["unified", "pair"])
+def test_at_most_the_bound_in_flight_and_each_sent_as_one_finishes(pairs: bool) -> None:
+    run = simulate(table(), burst(), config(3, pairs), progress=False)
+    recs = sorted(run.records, key=lambda r: r.arrival_s)
+    assert all(r.finish_s is not None for r in recs)
+    finishes = sorted(r.finish_s for r in recs)  # type: ignore[type-var]
+    assert [r.arrival_s for r in recs[:3]] == [0.0] * 3
+    # the k-th held request is sent when the k-th request finishes
+    assert [r.arrival_s for r in recs[3:]] == finishes[: len(recs) - 3]
+    for r in recs:  # never more than 3 in flight
+        assert sum(o.arrival_s <= r.arrival_s < o.finish_s for o in recs) <= 3  # type: ignore[operator]
+
+
+def test_no_bound_sends_everything_at_its_arrival() -> None:
+    run = simulate(table(), burst(), config(0), progress=False)
+    assert {r.arrival_s for r in run.records} == {0.0}
+    bounded = summarize(simulate(table(), burst(), config(3), progress=False))
+    free = summarize(run)
+    assert bounded["ttft_s"]["p50"] < free["ttft_s"]["p50"]  # fewer prompts queue at once
+    assert bounded["simulated_s"] > free["simulated_s"]  # smaller batches: longer in all
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["unified", "pair"])
+def test_decode_runs_with_a_bound_change_nothing(pairs: bool, tmp_path: Path) -> None:
+    out = []
+    for step_by_step in (False, True):
+        run = simulate(table(), burst(16), config(4, pairs), False, step_by_step=step_by_step)
+        summary = summarize(run)
+        summary.pop("wall_s")
+        out.append((summary, run.events))
+    (fast, events), (slow, slow_events) = out
+    assert fast == slow
+    assert events < slow_events
