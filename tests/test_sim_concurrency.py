@@ -61,3 +61,23 @@ def test_decode_runs_with_a_bound_change_nothing(pairs: bool, tmp_path: Path) ->
     (fast, events), (slow, slow_events) = out
     assert fast == slow
     assert events < slow_events
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["unified", "pair"])
+def test_the_http_front_takes_requests_one_at_a_time(pairs: bool) -> None:
+    """Three requests sent at once reach the serving node's scheduler 50 ms apart: the first
+    computes alone (the others arrive during its step), as a daemon's event loop parses them."""
+    t = table()
+    trace = [TraceRequest(0.0, 500, 3, (i,)) for i in range(3)]  # one 512-token block each
+    cfg = config(0, pairs)
+    cfg.request_s = 0.05
+    run = simulate(t, trace, cfg, progress=False)
+    first = min(run.records, key=lambda r: r.first_token_s)  # type: ignore[arg-type,return-value]
+    if pairs:  # the decode node has it at 50 ms, then the prefill node computes it alone
+        link = cfg.link.seconds(-(-499 // 16) * t.kv.bytes_per_block)
+        assert first.handoff_s == pytest.approx(0.05 + t.prefill.at(499, 0) + link)
+    else:
+        assert first.first_token_s == pytest.approx(0.05 + t.prefill.at(500, 0))
+    later = [r for r in run.records if r is not first]
+    assert all(r.first_token_s > first.first_token_s + 0.04 for r in later)  # type: ignore[operator]
+    assert {r.arrival_s for r in run.records} == {0.0}  # TTFT counts from the client's send

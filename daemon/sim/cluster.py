@@ -42,6 +42,9 @@ class ClusterConfig:
     # clients: at most this many requests in flight (0: no bound); a request arriving while as
     # many are in flight is sent when one finishes, as `bench serve --max-concurrency` does
     max_concurrency: int = 0
+    # a serving node's HTTP front: seconds it takes per request (parsing, the codec) before its
+    # scheduler has it, one request at a time (the event loop); 0: none
+    request_s: float = 0.0
 
     @property
     def total_nodes(self) -> int:
@@ -109,10 +112,11 @@ class Job:
     prefill_node: SimNode | None = None
 
 
-ARRIVE, LOADED, STEP_DONE, HANDOFF, SEND = 0, 1, 2, 3, 4
+ARRIVE, LOADED, STEP_DONE, HANDOFF, SEND, RECEIVED = 0, 1, 2, 3, 4, 5
 # an event's place in the heap: (time, 0, trace index) for arrivals and sends (a request held
-# by the clients' concurrency bound), which go first at a time, then (time, 1, issued at, 0, issue count) for store reads and handoffs and (time, 1,
-# launched at, 1, node) for steps: an order that does not depend on how many steps ran in
+# by the clients' concurrency bound), which go first at a time, then (time, 1, issued at, 0,
+# issue count) for store reads, handoffs and requests through a node's HTTP front, and (time,
+# 1, launched at, 1, node) for steps: an order that does not depend on how many steps ran in
 # between
 Key = tuple[float, ...]
 
@@ -175,6 +179,7 @@ class Simulation:
         self.in_flight = 0  # sent, not finished or refused
         self.held: deque[int] = deque()  # arrived, not sent: the concurrency bound is reached
         self.sending = 0  # held requests whose send is in the heap (at the current time)
+        self.front_free = [0.0 for _ in self.nodes]  # when each node's HTTP front is free
         self.issues = itertools.count()
         # each node's own coming events (store reads, handoffs to it): their times
         self.pending: list[list[float]] = [[] for _ in self.nodes]
@@ -221,6 +226,11 @@ class Simulation:
                 self.pending[node.index].remove(self.now)
                 node.loaded(req, keys, found)
                 self._kick(node)
+            elif kind == RECEIVED:
+                job = what
+                assert isinstance(job, Job)
+                self.pending[job.node.index].remove(self.now)
+                self._received(job)
             elif kind == HANDOFF:
                 job = what
                 assert isinstance(job, Job)
@@ -267,15 +277,27 @@ class Simulation:
                 self.pairs.done(node)
             self._finished()
             return
-        job = Job(req, rec, node)
+        job = Job(req, rec, node, prefill_node=prefill_node)
         self.jobs[req.request_id] = job
         node.unfinished += 1
-        if prefill_node is None:
+        if self.cfg.request_s <= 0:
+            self._received(job)
+            return
+        # the node's HTTP front takes the requests one at a time
+        end = max(self.now, self.front_free[node.index]) + self.cfg.request_s
+        self.front_free[node.index] = end
+        self.pending[node.index].append(end)
+        self._push(end, RECEIVED, job)
+
+    def _received(self, job: Job) -> None:
+        """The serving node has the request: it waits for admission, or (a pair) reserves the
+        prompt's blocks for its handoff."""
+        node, req = job.node, job.req
+        if job.prefill_node is None:
             self._enqueue(node, req)
             return
-        rec.prefill_node = prefill_node.index
-        job.prefill_node = prefill_node
-        job.prefill = self._request(f"sim-{i}-prefill", prompt[:-1], 1)
+        job.rec.prefill_node = job.prefill_node.index
+        job.prefill = self._request(f"{req.request_id}-prefill", req.prompt_ids[:-1], 1)
         self.reserving[node.index].append(job)
         self._reserve(node)
         self._kick(node)  # the reservation may have demoted cached blocks: copy them out

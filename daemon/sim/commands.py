@@ -32,6 +32,16 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a tiny grid (seconds; for tests, not for use)"
     )
     p.add_argument("--note", default="", help="kept in the table's provenance")
+    g = p.add_argument_group(
+        "grid (default: the full grid; points a workload runs at make its table closer)"
+    )
+    for flag, help_ in (
+        ("--prefill-tokens", "prefill chunk sizes, e.g. 32,256,512,2048"),
+        ("--prefill-context", "positions computed before a chunk, e.g. 0,4096"),
+        ("--decode-seqs", "decode batch sizes, e.g. 1,8,32"),
+        ("--decode-context", "each decode's context, e.g. 256,2048"),
+    ):
+        g.add_argument(flag, type=_counts, default=None, help=help_)
 
 
 def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
@@ -39,6 +49,13 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     from daemon.sim.profile import QUICK, ProfileError, ProfileGrid, profile
 
     grid = QUICK if args.quick else ProfileGrid()
+    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context")
+    grid = dataclasses.replace(
+        grid, **{a: tuple(getattr(args, a)) for a in axes if getattr(args, a) is not None}
+    )
+    if min(grid.prefill_tokens[0], grid.decode_seqs[0]) < 1:
+        print("deepinfer profile: --prefill-tokens and --decode-seqs must be >= 1", file=sys.stderr)
+        return 2
     cfg = dataclasses.replace(
         engine_cfg,
         kv_store_dir=None,  # the profile measures a store of its own, in a temporary directory
@@ -109,6 +126,12 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="clients: at most N requests in flight, the next sent as one finishes (0: no bound)",
+    )
+    p.add_argument(
+        "--request-ms",
+        type=float,
+        default=0.0,
+        help="a serving node's HTTP front per request (parsing, codec), one at a time (0: none)",
     )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
@@ -194,6 +217,7 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.decode,
         Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
         args.max_concurrency,
+        args.request_ms / 1e3,
     )
 
 
@@ -262,6 +286,17 @@ def _size(
     return 0
 
 
+def _counts(text: str) -> list[int]:
+    """A comma-separated, strictly increasing list of counts >= 0 (a grid axis)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of integers like 1,8,32") from None
+    if not values or values != sorted(set(values)) or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must be >= 0 and increasing")
+    return values
+
+
 def _sizes(text: str) -> list[float]:
     """A comma-separated list of capacities in GB (inf: unlimited)."""
     try:
@@ -300,6 +335,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0"
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
+    if not 0 <= args.request_ms < math.inf:
+        return "--request-ms must be a number >= 0"
     if args.max_concurrency < 0:
         return "--max-concurrency must be >= 0 (0: no bound)"
     if not args.time_scale > 0 or math.isinf(args.time_scale):
