@@ -81,3 +81,29 @@ def test_the_http_front_takes_requests_one_at_a_time(pairs: bool) -> None:
     later = [r for r in run.records if r is not first]
     assert all(r.first_token_s > first.first_token_s + 0.04 for r in later)  # type: ignore[operator]
     assert {r.arrival_s for r in run.records} == {0.0}  # TTFT counts from the client's send
+
+
+def test_overlap_schedules_the_next_step_while_one_runs() -> None:
+    """Under overlap a node schedules step B as soon as it launches A, so a request arriving
+    during A is computed in the step after B, as the engine's 3-stage loop does; every request
+    still gets exactly its tokens."""
+    t = table()
+    prefill_a = t.prefill.at(400, 0)
+    trace = [
+        TraceRequest(0.0, 400, 6, (1,)),
+        TraceRequest(prefill_a / 2, 300, 4, (2,)),  # arrives during the first step
+    ]
+    first: dict[bool, float] = {}
+    for overlap in (False, True):
+        cfg = config(0)
+        cfg.overlap = overlap
+        run = simulate(t, trace, cfg, progress=False)
+        late = run.records[1]
+        assert run.records[0].first_token_s == pytest.approx(prefill_a)
+        first[overlap] = late.first_token_s  # type: ignore[assignment]
+        assert run.nodes[0].counters.decode_tokens == 6 + 4 - 2  # the rest are prefills' samples
+        if overlap:  # A, then B (request 0's decode, queued at 0), then C with request 1
+            chunk = t.prefill.at(300, 0)
+            mixed = t.decode.at(1, 401) + max(chunk - t.decode.at(1, 16), 0.1 * chunk)
+            assert late.first_token_s == pytest.approx(prefill_a + t.decode.at(1, 400) + mixed)
+    assert first[True] > first[False]

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from daemon.cluster.node import Role
 from daemon.kv.request_state import PrefixState
 from daemon.loop.request import Request, SamplingParams
-from daemon.sim.node import NodeConfig, SimNode
+from daemon.sim.node import NodeConfig, Running, SimNode
 from daemon.sim.router import PairRouter, route
 from daemon.sim.store import SimStore
 from daemon.sim.table import Bandwidth, CostTable
@@ -45,6 +45,9 @@ class ClusterConfig:
     # a serving node's HTTP front: seconds it takes per request (parsing, the codec) before its
     # scheduler has it, one request at a time (the event loop); 0: none
     request_s: float = 0.0
+    # the engine's overlap (`serve --overlap`): a node schedules its next step while one runs,
+    # so what arrives during a step waits for the one after the next
+    overlap: bool = False
 
     @property
     def total_nodes(self) -> int:
@@ -328,7 +331,10 @@ class Simulation:
             self._enqueue(job.prefill_node, job.prefill)
 
     def _step_done(self, node: SimNode) -> None:
-        for req, done in node.finish_step():
+        outputs = node.finish_step()
+        if node.running is not None:  # the step queued under overlap runs now
+            self._launched(node, node.running, self.now)
+        for req, done in outputs:
             job = self.jobs[req.request_id]
             if req is job.prefill:
                 self._prefilled(job)
@@ -398,7 +404,7 @@ class Simulation:
         if node.running is not None:
             return
         start = self.now
-        steps = 0 if self.step_by_step else node.steady_steps()
+        steps = 0 if self.step_by_step or self.cfg.overlap else node.steady_steps()
         if steps:
             start = node.run_steady(self.now, self._quiet_until(node), steps)
         running, wanted = node.start_step(start)
@@ -407,8 +413,17 @@ class Simulation:
             self._read(node, r.request, r.keys)
         self.now = now
         if running is not None:
-            key = (running.end_s, 1, start, 1, node.index)
-            heapq.heappush(self.heap, (key, STEP_DONE, node))
+            self._launched(node, running, start)
+
+    def _launched(self, node: SimNode, running: Running, start: float) -> None:
+        """The step (launched at `start`) ends in an event; under overlap the next step is
+        scheduled now, as the engine does once it has launched one."""
+        key = (running.end_s, 1, start, 1, node.index)
+        heapq.heappush(self.heap, (key, STEP_DONE, node))
+        if self.cfg.overlap and node.queued is None:
+            _, wanted = node.queue_step()
+            for r in wanted:
+                self._read(node, r.request, r.keys)
 
     def _quiet_until(self, node: SimNode) -> float:
         """Before when nothing can see or change the node: the next arrival (the router reads

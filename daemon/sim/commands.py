@@ -133,6 +133,11 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="a serving node's HTTP front per request (parsing, codec), one at a time (0: none)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="nodes schedule a step while the last one runs (the engine's overlap)",
+    )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -218,6 +223,7 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
         args.max_concurrency,
         args.request_ms / 1e3,
+        args.overlap,
     )
 
 

@@ -46,6 +46,7 @@ def summarize(run: SimRun) -> dict:
             "time_scale": run.cfg.time_scale,
             "max_concurrency": run.cfg.max_concurrency,
             "request_s": run.cfg.request_s,
+            "overlap": run.cfg.overlap,
             "store_bytes": _finite(run.cfg.store_bytes),
             "node": {k: _finite(v) for k, v in asdict(run.cfg.node).items()},
         },
