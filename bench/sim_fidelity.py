@@ -2,17 +2,17 @@
 a cost table `deepinfer profile` measured with the daemons' own settings; sim / real ratios of
 output throughput, TTFT p50 / p99 and TPOT p50, for a unified node and a prefill + decode pair.
 
-Each repeat, back to back: `deepinfer profile` (the table, on a grid around the workload's
-shapes); the fixed costs the table cannot hold, from short requests (8-token prompts, 2 tokens
-out) to each setup: a node's per-request HTTP front (`--request-ms`: the unified node's TTFT
-less the table's step) and the pair's handoff legs (`--link-latency-ms`: the pair's TTFT less
-the front, both steps and the link's bytes); then per setup a real run (`deepinfer bench
-serve`: random token-id prompts, a fixed client concurrency, a fresh seed so no prompt is a
-cache hit) and the simulation of the very requests it sent (their lengths, the same
-concurrency bound) on that repeat's table and costs. Medians over repeats. The daemons stay up
-through the repeats (started once, warmed up); every model daemon gets the same engine flags as
-the profile: `--cpu-threads 1` (a pair's two model nodes on this machine's two cores) and
-`--no-overlap` (the simulator steps a node one step at a time, as the engine without overlap).
+Each repeat, each setup in turn (the order alternating), back to back: `deepinfer profile`
+(the table, on a grid around the workload's shapes, each point warmed up); the fixed costs the
+table cannot hold, from short requests (8-token prompts, 2 tokens out): a node's per-request
+HTTP front (`--request-ms`: the unified node's TTFT less the table's step) and the pair's
+handoff legs (`--link-latency-ms`: the pair's TTFT less the front, both steps and the link's
+bytes); the real run (`deepinfer bench serve`: random token-id prompts, a fixed client
+concurrency, a fresh seed so no prompt is a cache hit); and the simulation of the very requests
+it sent (their lengths, the same concurrency bound) on that table and those costs. Medians over
+repeats. The daemons stay up through the repeats (started once, warmed up); every model daemon
+gets the engine flags the profile gets: `--cpu-threads 1` (a pair's two model nodes on this
+machine's two cores) and `--no-overlap` unless `--overlap` (the simulator models both).
 
     python -m bench.sim_fidelity --repeats 3 --out bench/results/sim-fidelity
 """
@@ -266,9 +266,12 @@ def profile(e: Engine, w: Workload, out: Path, note: str) -> CostTable:
     """The table on a grid around the workload: its prompts (and the steps that hold several),
     its decode batches and contexts."""
     argv = _daemon("profile", "--out", str(out), *e.args(), "--log-level", "warning")
-    tokens = sorted({32, w.input_len, min(4 * w.input_len, e.max_num_batched_tokens)})
+    tokens = sorted({32, w.input_len, min(2 * w.input_len, e.max_num_batched_tokens)})
     seqs = sorted({1, max(w.concurrency // 2, 1), w.concurrency, 2 * w.concurrency})
-    argv += ["--prefill-tokens", ",".join(map(str, tokens)), "--prefill-context", "0,512"]
+    # every prompt is one chunk at context 0; each point warmed up, then timed (a cold first
+    # run of a multi-second chunk is not its time)
+    argv += ["--prefill-tokens", ",".join(map(str, tokens)), "--prefill-context", "0"]
+    argv += ["--point-seconds", "8"]
     argv += ["--decode-seqs", ",".join(map(str, seqs))]
     argv += ["--decode-context", f"{w.input_len},{w.input_len + w.output_len}"]
     argv += ["--note", note]
@@ -276,6 +279,49 @@ def profile(e: Engine, w: Workload, out: Path, note: str) -> CostTable:
     if done.returncode != 0:
         raise RuntimeError(f"profile failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return CostTable.load(out)
+
+
+def one(
+    a: argparse.Namespace,
+    e: Engine,
+    w: Workload,
+    urls: dict[str, str],
+    name: str,
+    r: int,
+    out: Path,
+) -> dict[str, Any]:
+    """One setup's turn, back to back: the table, the fixed costs, the real run, the
+    simulation of its requests."""
+    load = {"before_profile": _load()}
+    t0 = time.time()
+    table = (
+        CostTable.load(a.table)
+        if a.table
+        else profile(e, w, out / f"table-{r}-{name}.json", f"sim_fidelity repeat {r} {name}")
+    )
+    load["after_profile"] = _load()
+    profile_s = time.time() - t0
+    costs = fixed_costs(urls, table, a.link_gb_s * 1e9)
+    request_s = costs.get("request_s", 0.0) if a.request_ms is None else a.request_ms / 1e3
+    latency = costs.get("link_latency_s", 0.0)
+    if a.link_latency_ms is not None:
+        latency = a.link_latency_ms / 1e3
+    link = Bandwidth(a.link_gb_s * 1e9, latency)
+    load["before_bench"] = _load()
+    result = bench(urls[name], w, 100 * r + 1, out / f"bench-{name}-{r}.json")
+    load["after"] = _load()
+    real = real_figures(result)
+    sim = sim_figures(table, trace_of(result), e, w, name, link, request_s)
+    return {
+        "real": real,
+        "sim": sim,
+        "ratio": {m: sim[m] / real[m] for m in METRICS},
+        "profile_s": profile_s,
+        "fixed_costs": costs,
+        "request_s": request_s,
+        "link": {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s},
+        "load": load,
+    }
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -292,38 +338,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for i, (name, url) in enumerate(urls.items()):  # first allocations, not counted
             bench(url, w, 10_000 + i, out / f"warmup-{name}.json", 2 * w.concurrency)
         for r in range(a.repeats):
-            load = {"before_profile": _load()}
-            t0 = time.time()
-            table = (
-                CostTable.load(a.table)
-                if a.table
-                else profile(e, w, out / f"table-{r}.json", f"sim_fidelity repeat {r}")
-            )
-            load["after_profile"] = _load()
-            costs = fixed_costs(urls, table, a.link_gb_s * 1e9)
-            request_s = costs.get("request_s", 0.0) if a.request_ms is None else a.request_ms / 1e3
-            latency = a.link_latency_ms / 1e3 if a.link_latency_ms is not None else None
-            link = Bandwidth(
-                a.link_gb_s * 1e9, costs.get("link_latency_s", 0.0) if latency is None else latency
-            )
-            rep: dict[str, Any] = {
-                "repeat": r,
-                "profile_s": time.time() - t0,
-                "fixed_costs": costs,
-                "request_s": request_s,
-                "link": {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s},
-                "setups": {},
-            }
-            order = a.setups if r % 2 == 0 else a.setups[::-1]
-            for name in order:
-                load[f"before_{name}"] = _load()
-                result = bench(urls[name], w, 100 * r + 1, out / f"bench-{name}-{r}.json")
-                real = real_figures(result)
-                sim = sim_figures(table, trace_of(result), e, w, name, link, request_s)
-                ratio = {m: sim[m] / real[m] for m in METRICS}
-                rep["setups"][name] = {"real": real, "sim": sim, "ratio": ratio}
-                print(f"repeat {r} {name}: " + _line(ratio), flush=True)
-            rep["load"] = load | {"after": _load()}
+            rep: dict[str, Any] = {"repeat": r, "setups": {}}
+            for name in a.setups if r % 2 == 0 else a.setups[::-1]:
+                rep["setups"][name] = one(a, e, w, urls, name, r, out)
+                print(f"repeat {r} {name}: " + _line(rep["setups"][name]["ratio"]), flush=True)
             repeats.append(rep)
     summary = {
         name: {
@@ -388,10 +406,10 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", required=True, help="a directory: fidelity.json, .png, tables, logs")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     p.add_argument("--table", help="a cost table to use instead of profiling each repeat")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=8)

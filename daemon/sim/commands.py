@@ -42,6 +42,13 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         ("--decode-context", "each decode's context, e.g. 256,2048"),
     ):
         g.add_argument(flag, type=_counts, default=None, help=help_)
+    g.add_argument(
+        "--point-seconds",
+        type=float,
+        default=None,
+        help="a point's first run is an untimed warm-up unless it took this long, and its "
+        "repeats stop once they took it (default 2; raise it where steps take seconds)",
+    )
 
 
 def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
@@ -53,6 +60,8 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     grid = dataclasses.replace(
         grid, **{a: tuple(getattr(args, a)) for a in axes if getattr(args, a) is not None}
     )
+    if args.point_seconds is not None:
+        grid = dataclasses.replace(grid, point_seconds=args.point_seconds)
     if min(grid.prefill_tokens[0], grid.decode_seqs[0]) < 1:
         print("deepinfer profile: --prefill-tokens and --decode-seqs must be >= 1", file=sys.stderr)
         return 2
