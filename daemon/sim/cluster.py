@@ -37,7 +37,8 @@ class ClusterConfig:
     time_scale: float = 1.0  # arrival times are multiplied by this (2: half the rate)
     prefill: int = 0  # prefill nodes, after the unified ones
     decode: int = 0  # decode nodes, after the prefill ones
-    # the KV handoff from a prefill to a decode node: bytes of the prompt's KV blocks
+    # the KV handoff from a prefill to a decode node: bytes of the prompt's KV blocks, one
+    # handoff at a time on each prefill node's link
     link: Bandwidth = field(default_factory=lambda: Bandwidth(25e9, 1e-4))
     # clients: at most this many requests in flight (0: no bound); a request arriving while as
     # many are in flight is sent when one finishes, as `bench serve --max-concurrency` does
@@ -183,6 +184,7 @@ class Simulation:
         self.held: deque[int] = deque()  # arrived, not sent: the concurrency bound is reached
         self.sending = 0  # held requests whose send is in the heap (at the current time)
         self.front_free = [0.0 for _ in self.nodes]  # when each node's HTTP front is free
+        self.link_free = [0.0 for _ in self.nodes]  # when each prefill node's link is free
         self.issues = itertools.count()
         # each node's own coming events (store reads, handoffs to it): their times
         self.pending: list[list[float]] = [[] for _ in self.nodes]
@@ -384,7 +386,11 @@ class Simulation:
         g = self.table.kv
         blocks = -(-(job.req.num_prompt_tokens - 1) // g.block_size)
         job.rec.handoff_bytes = blocks * g.bytes_per_block
-        end = self.now + self.cfg.link.seconds(job.rec.handoff_bytes)
+        # a prefill node sends its handoffs one at a time: each its latency (the HTTP legs)
+        # and its bytes at the link's bandwidth
+        p = job.prefill_node.index
+        end = max(self.now, self.link_free[p]) + self.cfg.link.seconds(job.rec.handoff_bytes)
+        self.link_free[p] = end
         self._push(end, HANDOFF, job)
         self.pending[job.node.index].append(end)
 
