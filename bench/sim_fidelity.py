@@ -343,20 +343,47 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 rep["setups"][name] = one(a, e, w, urls, name, r, out)
                 print(f"repeat {r} {name}: " + _line(rep["setups"][name]["ratio"]), flush=True)
             repeats.append(rep)
-    summary = {
-        name: {
-            side: {m: median([x["setups"][name][side][m] for x in repeats]) for m in METRICS}
-            for side in ("real", "sim", "ratio")
-        }
-        for name in a.setups
-    }
     return {
         "engine": vars(e) | {"args": e.args()},
         "workload": vars(w),
         "command": " ".join(sys.argv),
         "repeats": repeats,
-        "median": summary,
+        "median": _medians(repeats),
     }
+
+
+def _medians(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    names = [n for n in SETUPS if any(n in x["setups"] for x in repeats)]
+    return {
+        name: {
+            side: {
+                m: median([x["setups"][name][side][m] for x in repeats if name in x["setups"]])
+                for m in METRICS
+            }
+            for side in ("real", "sim", "ratio")
+        }
+        for name in names
+    }
+
+
+def resimulate(out: Path) -> dict[str, Any]:
+    """The simulated side again, with this checkout's simulator, from a run's files: each
+    turn's table, fixed costs and the requests its bench sent (the real side as measured)."""
+    result = json.loads((out / "fidelity.json").read_text())
+    e = Engine(**{k: v for k, v in result["engine"].items() if k != "args"})
+    w = Workload(**result["workload"])
+    for rep in result["repeats"]:
+        r = rep["repeat"]
+        for name, turn in rep["setups"].items():
+            table = CostTable.load(out / f"table-{r}-{name}.json")
+            bench_result = json.loads((out / f"bench-{name}-{r}.json").read_text())
+            link = Bandwidth(turn["link"]["bytes_per_s"], turn["link"]["latency_s"])
+            sim = sim_figures(table, trace_of(bench_result), e, w, name, link, turn["request_s"])
+            turn["sim"] = sim
+            turn["ratio"] = {m: sim[m] / turn["real"][m] for m in METRICS}
+    result["median"] = _medians(result["repeats"])
+    result["resimulated"] = " ".join(sys.argv)
+    return result
 
 
 def _line(ratio: dict[str, float]) -> str:
@@ -433,10 +460,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--request-ms", type=float, default=None, help="HTTP front per request (default: measured)"
     )
+    p.add_argument(
+        "--resimulate",
+        action="store_true",
+        help="measure nothing: simulate --out's recorded runs again (after a model change)",
+    )
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more engine flags")
     a = p.parse_args(argv)
-    result = run(a)
     out = Path(a.out)
+    result = resimulate(out) if a.resimulate else run(a)
     (out / "fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "fidelity.png")
     print(report(result))
