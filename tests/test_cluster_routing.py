@@ -7,7 +7,7 @@ from __future__ import annotations
 from daemon.cluster.node import NodeInfo
 from daemon.cluster.peers import PeerSet
 from daemon.cluster.prefix_index import PrefixIndex
-from daemon.cluster.router import Router
+from daemon.cluster.router import PrefillBalance, Router
 
 
 def _node(node_id: str, role: str, fp: str = "fp", model: str = "m", **load: int) -> NodeInfo:
@@ -79,6 +79,27 @@ def test_a_prefix_goes_where_it_was_sent_even_to_a_busier_node() -> None:
     r.index.add("p1", KEYS[:3])
     r.peers.upsert(_node("p1", "prefill", running=4), 60)
     assert r.pick_prefill("fp", KEYS).node.node_id == "p1"
+
+
+def test_a_prefix_holder_far_busier_than_the_least_loaded_is_passed_over() -> None:
+    # every prompt shares its first block (a system prompt): without a bound on the prefix
+    # preference every prefill would go to the node that got the first one
+    for holder, others, want in [
+        (4, (0, 6), "p1"),  # within the least + 4
+        (5, (0, 6), "p2"),  # past it: the least loaded
+        (12, (8, 9), "p1"),  # within 1.5 x the least
+        (13, (8, 9), "p2"),
+    ]:
+        r = _router(
+            _node("p1", "prefill", running=holder - 1, waiting=1),
+            _node("p2", "prefill", running=others[0]),
+            _node("p3", "prefill", running=others[1]),
+        )
+        assert r.balance == PrefillBalance(1.5, 4)
+        r.index.add("p1", KEYS[:1])
+        route = r.pick_prefill("fp", KEYS[:1] + [bytes([7]) * 16])
+        assert route.node.node_id == want, (holder, others)
+        assert route.matched_blocks == (want == "p1")
 
 
 def test_the_prefix_index_is_a_bounded_lru_per_node() -> None:

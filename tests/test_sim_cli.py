@@ -36,7 +36,7 @@ def quick_table(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     out = tmp_path_factory.mktemp("profile") / "table.json"
     done = deepinfer(
         "profile", "--quick", "--model", str(tiny_model_dir), "--out", str(out),
-        "--decode-seqs", "3", "1", "--log-level", "warning",
+        "--log-level", "warning", "--decode-seqs", "1,3", "--point-seconds", "0.02",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -49,7 +49,7 @@ def test_profile_writes_a_table_that_loads_back(quick_table: Path, tmp_path: Pat
     assert p.when.startswith("20") and "cores" in p.where and "profile --quick" in p.command
     assert table.prefill.rows == list(QUICK.prefill_tokens)
     assert table.decode.columns == list(QUICK.decode_context)
-    assert table.decode.rows == [1, 3]  # --decode-seqs, sorted; the other axes the grid's
+    assert table.decode.rows == [1, 3]  # --decode-seqs over the quick grid's
     assert table.kv.block_size == 16 and table.kv.num_layers == 2
     assert all(s > 0 for row in table.prefill.seconds + table.decode.seconds for s in row)
     assert table.store_read.latency_s > 0 and table.store_write.bytes_per_s > 0
@@ -117,6 +117,8 @@ def test_simulate_writes_json_and_png(quick_table: Path, tmp_path: Path) -> None
         (["--device-kv-gb", "inf"], "--device-kv-gb must be a positive number"),
         (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
         (["--table", "/nonexistent/table.json"], "No such file"),
+        (["--max-concurrency", "-1"], "--max-concurrency must be >= 0"),
+        (["--request-ms", "-5"], "--request-ms must be a number >= 0"),
     ],
 )
 def test_simulate_bad_input(args: list[str], message: str, tmp_path: Path) -> None:

@@ -91,3 +91,16 @@ def test_pairs_decode_runs_change_nothing(kv_mb: float, tmp_path: Path) -> None:
         out.append(s)
     assert out[0] == out[1]
     assert out[0]["finished"] > 0 and out[0]["handoff"]["count"] == out[0]["finished"]
+
+
+def test_a_prefill_node_sends_one_handoff_at_a_time(tmp_path: Path) -> None:
+    lines = [
+        {"timestamp": 0, "input_length": 300, "output_length": 2, "hash_ids": [i]} for i in (1, 2)
+    ]
+    trace = read_trace(write_trace(lines, tmp_path))
+    link = Bandwidth(1e8, 0.05)
+    run = simulate(table(), trace, pairs(1, 1, link), progress=False)
+    done = sorted(r.handoff_s for r in run.records)  # type: ignore[type-var]
+    one = link.seconds(-(-299 // BLOCK) * 2 * BLOCK * 2 * 16 * 4 * 2)
+    # the second prompt is computed before the first one's KV is through: it waits its turn
+    assert done[1] == pytest.approx(done[0] + one)

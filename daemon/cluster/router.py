@@ -1,6 +1,7 @@
 """The router's choices: a node to serve a request (a decode node, or a unified one that
 computes its prompt itself; by free KV and running requests) and a prefill node for a handoff
-(longest cached prefix, then load), among the live peers of one model."""
+(longest cached prefix while its node is not much busier than the least busy, then load),
+among the live peers of one model."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from dataclasses import dataclass
 from daemon.cluster.node import NodeInfo
 from daemon.cluster.peers import PeerSet
 from daemon.cluster.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True)
+class PrefillBalance:
+    """How much busier (running + waiting requests) than the least busy prefill node a node
+    may be and still be preferred for the prefix it was sent: at most `rel` times the least,
+    or `abs` more, whichever is larger (SGLang's cache-aware router balances by such a pair of
+    thresholds). Past that, load decides: a prefix every request shares (a system prompt) would
+    otherwise send every prefill to the node that got the first one."""
+
+    rel: float = 1.5
+    abs: int = 4
+
+    def within(self, load: int, least: int) -> bool:
+        return load <= max(self.rel * least, least + self.abs)
 
 
 @dataclass(frozen=True)
@@ -28,9 +44,15 @@ class Router:
     node of the decode node's fingerprint. A node that drains (its heartbeat says so, or this
     router is moving it to another role: `moving`) gets nothing new."""
 
-    def __init__(self, peers: PeerSet, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self,
+        peers: PeerSet,
+        index: PrefixIndex | None = None,
+        balance: PrefillBalance | None = None,
+    ) -> None:
         self.peers = peers
         self.index = index or PrefixIndex()
+        self.balance = balance or PrefillBalance()
         # requests this router has open on each node (its own view; loads come by heartbeat)
         self.in_flight: Counter[str] = Counter()
         self._routed: Counter[str] = Counter()  # prefill routes, a tie-breaker
@@ -67,17 +89,21 @@ class Router:
         return busy / seqs - n.load.get("kv_blocks_free", 0) / blocks
 
     def pick_prefill(self, fingerprint: str, keys: list[bytes]) -> PrefillRoute | None:
-        """The prefill node that was sent the longest prefix of `keys`, then the least loaded;
-        the keys are then noted for it (its prefix cache and the shared store will hold them)."""
+        """The prefill node that was sent the longest prefix of `keys` among those within the
+        balance bound of the least loaded (`PrefillBalance`), then the least loaded; the keys
+        are then noted for it (its prefix cache and the shared store will hold them)."""
         nodes = [n for n in self.peers.live("prefill", fingerprint) if self._open(n)]
         self.index.forget({n.node_id for n in self.peers.live("prefill")})
         if not nodes:
             return None
         matched = {n.node_id: self.index.match(n.node_id, keys) for n in nodes}
+        loads = {n.node_id: n.load.get("running", 0) + n.load.get("waiting", 0) for n in nodes}
+        least = min(loads.values())
 
         def rank(n: NodeInfo) -> tuple[int, int, int, str]:
-            load = n.load.get("running", 0) + n.load.get("waiting", 0)
-            return (-matched[n.node_id], load, self._routed[n.node_id], n.node_id)
+            load = loads[n.node_id]
+            held = matched[n.node_id] if self.balance.within(load, least) else 0
+            return (-held, load, self._routed[n.node_id], n.node_id)
 
         node = min(nodes, key=rank)
         self.index.add(node.node_id, keys)

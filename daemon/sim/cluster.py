@@ -19,7 +19,7 @@ from tqdm import tqdm
 from daemon.cluster.node import Role
 from daemon.kv.request_state import PrefixState
 from daemon.loop.request import Request, SamplingParams
-from daemon.sim.node import NodeConfig, SimNode
+from daemon.sim.node import NodeConfig, Running, SimNode
 from daemon.sim.router import PairRouter, route
 from daemon.sim.store import SimStore
 from daemon.sim.table import Bandwidth, CostTable
@@ -37,8 +37,18 @@ class ClusterConfig:
     time_scale: float = 1.0  # arrival times are multiplied by this (2: half the rate)
     prefill: int = 0  # prefill nodes, after the unified ones
     decode: int = 0  # decode nodes, after the prefill ones
-    # the KV handoff from a prefill to a decode node: bytes of the prompt's KV blocks
+    # the KV handoff from a prefill to a decode node: bytes of the prompt's KV blocks, one
+    # handoff at a time on each prefill node's link
     link: Bandwidth = field(default_factory=lambda: Bandwidth(25e9, 1e-4))
+    # clients: at most this many requests in flight (0: no bound); a request arriving while as
+    # many are in flight is sent when one finishes, as `bench serve --max-concurrency` does
+    max_concurrency: int = 0
+    # a serving node's HTTP front: seconds it takes per request (parsing, the codec) before its
+    # scheduler has it, one request at a time (the event loop); 0: none
+    request_s: float = 0.0
+    # the engine's overlap (`serve --overlap`): a node schedules its next step while one runs,
+    # so what arrives during a step waits for the one after the next
+    overlap: bool = False
 
     @property
     def total_nodes(self) -> int:
@@ -106,10 +116,11 @@ class Job:
     prefill_node: SimNode | None = None
 
 
-ARRIVE, LOADED, STEP_DONE, HANDOFF = 0, 1, 2, 3
-# an event's place in the heap: (time, 0, trace index) for arrivals, which go first at a
-# time, then (time, 1, issued at, 0, issue count) for store reads and handoffs and (time, 1,
-# launched at, 1, node) for steps: an order that does not depend on how many steps ran in
+ARRIVE, LOADED, STEP_DONE, HANDOFF, SEND, RECEIVED = 0, 1, 2, 3, 4, 5
+# an event's place in the heap: (time, 0, trace index) for arrivals and sends (a request held
+# by the clients' concurrency bound), which go first at a time, then (time, 1, issued at, 0,
+# issue count) for store reads, handoffs and requests through a node's HTTP front, and (time,
+# 1, launched at, 1, node) for steps: an order that does not depend on how many steps ran in
 # between
 Key = tuple[float, ...]
 
@@ -169,6 +180,11 @@ class Simulation:
         for i, t in enumerate(self.arrivals):
             heapq.heappush(self.heap, ((t, 0, i), ARRIVE, i))
         self.arrived = 0
+        self.in_flight = 0  # sent, not finished or refused
+        self.held: deque[int] = deque()  # arrived, not sent: the concurrency bound is reached
+        self.sending = 0  # held requests whose send is in the heap (at the current time)
+        self.front_free = [0.0 for _ in self.nodes]  # when each node's HTTP front is free
+        self.link_free = [0.0 for _ in self.nodes]  # when each prefill node's link is free
         self.issues = itertools.count()
         # each node's own coming events (store reads, handoffs to it): their times
         self.pending: list[list[float]] = [[] for _ in self.nodes]
@@ -201,6 +217,13 @@ class Simulation:
                 self.samples.append(self._sample(self.next_sample))
                 self.next_sample += self.sample_every_s
             if kind == ARRIVE:
+                self.arrived += 1
+                if 0 < self.cfg.max_concurrency <= self.in_flight + len(self.held):
+                    self.held.append(what)  # type: ignore[arg-type]
+                else:
+                    self._arrive(what)  # type: ignore[arg-type]
+            elif kind == SEND:
+                self.sending -= 1
                 self._arrive(what)  # type: ignore[arg-type]
             elif kind == LOADED:
                 node, req, keys, found = what  # type: ignore[misc]
@@ -208,6 +231,11 @@ class Simulation:
                 self.pending[node.index].remove(self.now)
                 node.loaded(req, keys, found)
                 self._kick(node)
+            elif kind == RECEIVED:
+                job = what
+                assert isinstance(job, Job)
+                self.pending[job.node.index].remove(self.now)
+                self._received(job)
             elif kind == HANDOFF:
                 job = what
                 assert isinstance(job, Job)
@@ -230,7 +258,7 @@ class Simulation:
     # ---- events ------------------------------------------------------------------------------
 
     def _arrive(self, i: int) -> None:
-        self.arrived += 1
+        self.in_flight += 1
         t = self.trace[i]
         prompt = prompt_tokens(t, VOCAB)
         req = self._request(f"sim-{i}", prompt, t.output_length)
@@ -252,17 +280,29 @@ class Simulation:
             rec.rejected = True  # as Engine.add_request refuses it
             if pair is not None:
                 self.pairs.done(node)
-            self.finished()
+            self._finished()
             return
-        job = Job(req, rec, node)
+        job = Job(req, rec, node, prefill_node=prefill_node)
         self.jobs[req.request_id] = job
         node.unfinished += 1
-        if prefill_node is None:
+        if self.cfg.request_s <= 0:
+            self._received(job)
+            return
+        # the node's HTTP front takes the requests one at a time
+        end = max(self.now, self.front_free[node.index]) + self.cfg.request_s
+        self.front_free[node.index] = end
+        self.pending[node.index].append(end)
+        self._push(end, RECEIVED, job)
+
+    def _received(self, job: Job) -> None:
+        """The serving node has the request: it waits for admission, or (a pair) reserves the
+        prompt's blocks for its handoff."""
+        node, req = job.node, job.req
+        if job.prefill_node is None:
             self._enqueue(node, req)
             return
-        rec.prefill_node = prefill_node.index
-        job.prefill_node = prefill_node
-        job.prefill = self._request(f"sim-{i}-prefill", prompt[:-1], 1)
+        job.rec.prefill_node = job.prefill_node.index
+        job.prefill = self._request(f"{req.request_id}-prefill", req.prompt_ids[:-1], 1)
         self.reserving[node.index].append(job)
         self._reserve(node)
         self._kick(node)  # the reservation may have demoted cached blocks: copy them out
@@ -293,7 +333,10 @@ class Simulation:
             self._enqueue(job.prefill_node, job.prefill)
 
     def _step_done(self, node: SimNode) -> None:
-        for req, done in node.finish_step():
+        outputs = node.finish_step()
+        if node.running is not None:  # the step queued under overlap runs now
+            self._launched(node, node.running, self.now)
+        for req, done in outputs:
             job = self.jobs[req.request_id]
             if req is job.prefill:
                 self._prefilled(job)
@@ -314,10 +357,19 @@ class Simulation:
                 else:
                     self.pairs.done(node)
                 del self.jobs[req.request_id]
-                self.finished()
+                self._finished()
         if self.reserving[node.index]:
             self._reserve(node)
         self._kick(node)
+
+    def _finished(self) -> None:
+        """A request is done (or refused): its client's slot sends the next one held."""
+        self.in_flight -= 1
+        if self.held:
+            i = self.held.popleft()
+            self.sending += 1
+            heapq.heappush(self.heap, ((self.now, 0, i), SEND, i))
+        self.finished()
 
     def _late(self, what: str) -> None:
         self.late[what] += 1
@@ -334,7 +386,11 @@ class Simulation:
         g = self.table.kv
         blocks = -(-(job.req.num_prompt_tokens - 1) // g.block_size)
         job.rec.handoff_bytes = blocks * g.bytes_per_block
-        end = self.now + self.cfg.link.seconds(job.rec.handoff_bytes)
+        # a prefill node sends its handoffs one at a time: each its latency (the HTTP legs)
+        # and its bytes at the link's bandwidth
+        p = job.prefill_node.index
+        end = max(self.now, self.link_free[p]) + self.cfg.link.seconds(job.rec.handoff_bytes)
+        self.link_free[p] = end
         self._push(end, HANDOFF, job)
         self.pending[job.node.index].append(end)
 
@@ -354,7 +410,7 @@ class Simulation:
         if node.running is not None:
             return
         start = self.now
-        steps = 0 if self.step_by_step else node.steady_steps()
+        steps = 0 if self.step_by_step or self.cfg.overlap else node.steady_steps()
         if steps:
             start = node.run_steady(self.now, self._quiet_until(node), steps)
         running, wanted = node.start_step(start)
@@ -363,13 +419,24 @@ class Simulation:
             self._read(node, r.request, r.keys)
         self.now = now
         if running is not None:
-            key = (running.end_s, 1, start, 1, node.index)
-            heapq.heappush(self.heap, (key, STEP_DONE, node))
+            self._launched(node, running, start)
+
+    def _launched(self, node: SimNode, running: Running, start: float) -> None:
+        """The step (launched at `start`) ends in an event; under overlap the next step is
+        scheduled now, as the engine does once it has launched one."""
+        key = (running.end_s, 1, start, 1, node.index)
+        heapq.heappush(self.heap, (key, STEP_DONE, node))
+        if self.cfg.overlap and node.queued is None:
+            _, wanted = node.queue_step()
+            for r in wanted:
+                self._read(node, r.request, r.keys)
 
     def _quiet_until(self, node: SimNode) -> float:
         """Before when nothing can see or change the node: the next arrival (the router reads
         every node), its own store reads and handoffs, the end of a step on a prefill node
-        holding a request it will decode (plus the link's latency), the next sample."""
+        holding a request it will decode (plus the link's latency), the next sample; with requests
+        held by the concurrency bound, the end of any node's step (it may finish a request,
+        which sends the next), and now while a send is due."""
         until = min(
             self.arrivals[self.arrived] if self.arrived < len(self.arrivals) else math.inf,
             min(self.pending[node.index], default=math.inf),
@@ -381,6 +448,11 @@ class Simulation:
                 until = min(
                     until, (p.end_s if p is not None else self.now) + self.cfg.link.latency_s
                 )
+        if self.sending:
+            until = self.now
+        if self.held:
+            ends = (n.running.end_s for n in self.nodes if n.running is not None)
+            until = min(until, min(ends, default=math.inf))
         return until
 
     def _sample(self, t: float) -> Sample:

@@ -20,7 +20,6 @@ from daemon.sim.trace import TraceError, TraceRequest, read_trace
 
 if TYPE_CHECKING:
     from daemon.sim.cluster import ClusterConfig
-    from daemon.sim.profile import ProfileGrid
 
 TABLES = Path(__file__).parent / "tables"
 CPU_TABLE = TABLES / "cpu-smollm2.json"
@@ -33,22 +32,39 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a tiny grid (seconds; for tests, not for use)"
     )
     p.add_argument("--note", default="", help="kept in the table's provenance")
-    for name, help_ in (
-        ("prefill-tokens", "prefill chunk sizes measured"),
-        ("prefill-context", "positions before a prefill chunk"),
-        ("decode-seqs", "decode batch sizes measured"),
-        ("decode-context", "positions before each decode"),
+    g = p.add_argument_group(
+        "grid (default: the full grid; points a workload runs at make its table closer)"
+    )
+    for flag, help_ in (
+        ("--prefill-tokens", "prefill chunk sizes, e.g. 32,256,512,2048"),
+        ("--prefill-context", "positions computed before a chunk, e.g. 0,4096"),
+        ("--decode-seqs", "decode batch sizes, e.g. 1,8,32"),
+        ("--decode-context", "each decode's context, e.g. 256,2048"),
     ):
-        p.add_argument(
-            f"--{name}", type=int, nargs="+", default=None, help=f"{help_} (default: ProfileGrid's)"
-        )
+        g.add_argument(flag, type=_counts, default=None, help=help_)
+    g.add_argument(
+        "--point-seconds",
+        type=float,
+        default=None,
+        help="a point's first run is an untimed warm-up unless it took this long, and its "
+        "repeats stop once they took it (default 2; raise it where steps take seconds)",
+    )
 
 
 def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     from daemon.build.engine import build_engine
-    from daemon.sim.profile import ProfileError, profile
+    from daemon.sim.profile import QUICK, ProfileError, ProfileGrid, profile
 
-    grid = _grid(args)
+    grid = QUICK if args.quick else ProfileGrid()
+    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context")
+    grid = dataclasses.replace(
+        grid, **{a: tuple(getattr(args, a)) for a in axes if getattr(args, a) is not None}
+    )
+    if args.point_seconds is not None:
+        grid = dataclasses.replace(grid, point_seconds=args.point_seconds)
+    if min(grid.prefill_tokens[0], grid.decode_seqs[0]) < 1:
+        print("deepinfer profile: --prefill-tokens and --decode-seqs must be >= 1", file=sys.stderr)
+        return 2
     cfg = dataclasses.replace(
         engine_cfg,
         kv_store_dir=None,  # the profile measures a store of its own, in a temporary directory
@@ -70,17 +86,6 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     Path(args.out).write_bytes(table.to_json())
     print(f"wrote {args.out}")
     return 0
-
-
-def _grid(args: argparse.Namespace) -> ProfileGrid:
-    """The grid to measure: the quick one or the default, each axis replaced where given
-    (a larger device wants larger batches and longer contexts than the CPU's default)."""
-    from daemon.sim.profile import QUICK, ProfileGrid
-
-    grid = QUICK if args.quick else ProfileGrid()
-    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context")
-    given = {a: tuple(sorted(set(v))) for a in axes if (v := getattr(args, a, None))}
-    return dataclasses.replace(grid, **given)
 
 
 def _kv_bytes_per_token(cfg: EngineConfig) -> float:
@@ -126,6 +131,23 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=None, help="requests arriving before")
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="arrival times times this (2: half rate)"
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=0,
+        help="clients: at most N requests in flight, the next sent as one finishes (0: no bound)",
+    )
+    p.add_argument(
+        "--request-ms",
+        type=float,
+        default=0.0,
+        help="a serving node's HTTP front per request (parsing, codec), one at a time (0: none)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="nodes schedule a step while the last one runs (the engine's overlap)",
     )
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
@@ -210,6 +232,9 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.prefill,
         args.decode,
         Bandwidth(args.link_gb_s * 1e9, args.link_latency_ms / 1e3),
+        args.max_concurrency,
+        args.request_ms / 1e3,
+        args.overlap,
     )
 
 
@@ -278,6 +303,17 @@ def _size(
     return 0
 
 
+def _counts(text: str) -> list[int]:
+    """A comma-separated, strictly increasing list of counts >= 0 (a grid axis)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of integers like 1,8,32") from None
+    if not values or values != sorted(set(values)) or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must be >= 0 and increasing")
+    return values
+
+
 def _sizes(text: str) -> list[float]:
     """A comma-separated list of capacities in GB (inf: unlimited)."""
     try:
@@ -316,6 +352,10 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 0"
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         return "--max-num-seqs and --max-num-batched-tokens must be at least 1"
+    if not 0 <= args.request_ms < math.inf:
+        return "--request-ms must be a number >= 0"
+    if args.max_concurrency < 0:
+        return "--max-concurrency must be >= 0 (0: no bound)"
     if not args.time_scale > 0 or math.isinf(args.time_scale):
         return "--time-scale must be a positive number"
     return None

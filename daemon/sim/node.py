@@ -85,6 +85,8 @@ class SimNode:
         # what a block copied to host memory holds: a stride-0 view, its size without its bytes
         self._payload = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
         self.running: Running | None = None
+        # with overlap: the step scheduled while `running` runs, to start when it ends
+        self.queued: Running | None = None
         self.unfinished = 0  # requests routed here and not finished
         self.counters = NodeCounters()
 
@@ -109,6 +111,17 @@ class SimNode:
         """Schedule and launch the next step (or the cache ops waiting alone): what runs and
         until when, and the store reads the scheduler asked for. (None, ...) while idle."""
         assert self.running is None
+        self.running, reads = self._schedule(now)
+        return self.running, reads
+
+    def queue_step(self) -> tuple[Running | None, list[StoreRead]]:
+        """Overlap (the engine's 3-stage loop): schedule the step after the running one now,
+        while it runs (its decodes' last tokens still on the device), to start when it ends."""
+        assert self.running is not None and self.queued is None
+        self.queued, reads = self._schedule(self.running.end_s)
+        return self.queued, reads
+
+    def _schedule(self, start: float) -> tuple[Running | None, list[StoreRead]]:
         step = self.scheduler.schedule()
         reads = list(step.store_reads) if step is not None else []
         if step is not None and not step.seqs:
@@ -134,12 +147,12 @@ class SimNode:
                     c.prefill_tokens += s.num_tokens
         seconds = max(seconds, MIN_STEP_S)
         c.busy_s += seconds
-        self.running = Running(step, ops, now + seconds)
-        return self.running, reads
+        return Running(step, ops, start + seconds), reads
 
     def finish_step(self) -> list[tuple[Request, bool]]:
-        """The running step is done: its tokens, as (request, finished) for each sample."""
-        running, self.running = self.running, None
+        """The running step is done: its tokens, as (request, finished) for each sample; the
+        queued step (overlap) runs now."""
+        running, self.running, self.queued = self.running, self.queued, None
         assert running is not None
         self.prefix.completed(running.ops)
         out: list[tuple[Request, bool]] = []
