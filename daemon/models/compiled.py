@@ -81,8 +81,8 @@ class CompiledDecode:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor | None:
-        """The hidden states [B, hidden] of a decode-only step; None when the step has prefill
-        chunks or more sequences than the engine runs (run it eagerly)."""
+        """The hidden states of the step's tokens; None where it runs eagerly: more sequences
+        than the engine runs, one token, or the warm-up could not compile."""
         n = batch.num_decodes
         if self.failed:
             return None

@@ -147,8 +147,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, batch, kv_cache):
-        q, k, v = self.attention_in(x, positions)
-        return self.attention_out(x, self.self_attn.attend(q, k, v, batch, kv_cache))
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    # the same layer in two halves, for the compiled CPU forward's steps with prefill chunks
+    # (their attention runs eagerly between the halves)
 
     def attention_in(
         self, x: torch.Tensor, positions: torch.Tensor
