@@ -55,7 +55,8 @@ class AdaptivePolicy:
     `hold` (the overlap loop): a verifying sequence sits out the next step (its length is known
     only once its verify is processed) while the others run it as decodes, so a plan is priced
     over both steps: its tokens plus the others' next ones, over its seconds plus a decode step
-    of the others. Where every sequence verifies, no next step runs without them."""
+    of the others. Where every sequence verifies, no next step runs without them (the loop's
+    work, then not hidden behind a step, is not priced)."""
 
     def __init__(
         self,
