@@ -162,7 +162,7 @@ def build_speculator(
 ) -> Speculator:
     """The drafter and the verify-length policy; the adaptive one weighs drafts against step
     costs measured now, on this device, before any request (logged as a table), and under
-    `overlap` against the step each verifying sequence sits out."""
+    `overlap` against the step each verifying sequence sits out (the others decode it)."""
     assert cfg.speculative is not None
     k = cfg.num_speculative_tokens
     cost = None

@@ -42,13 +42,21 @@ class FixedPolicy:
 class AdaptivePolicy:
     """DSpark / vLLM's adaptive verification. A draft slot (i, j) survives with s_ij = the
     product of candidate i's calibrated confidences up to j; slots ranked by survival, the
-    budget is B* = argmax_B (num_seqs + top-B survivals - skipped) / step seconds with B more
-    tokens (plus `rollback_seconds` for each sequence that verifies any), B = 0 included and
+    budget is B* = argmax_B (num_seqs + top-B survivals) / seconds, B = 0 included and
     preferred on ties. Survival falls along a draft, so each candidate's chosen slots are a
-    prefix. `skip_tokens`: what a verifying sequence forgoes besides: under the overlap loop it
-    sits out the next step (its length is known only once its verify is processed) while the
-    others decode, so it pays 1 token, unless every sequence of the step verifies (then no next
-    step runs without it)."""
+    prefix.
+
+    The seconds are the step's decode time, not its prefill chunk's: a decode step of the same
+    sequences plus what the B draft rows add to the step (never less than nothing), plus
+    `rollback_seconds` for each sequence that verifies any. A chunk's seconds are spent
+    whatever is drafted, and the time drafts take would otherwise go to decoding at the decode
+    step's rate; counted in, a chunk made drafts beside it look nearly free.
+
+    `hold` (the overlap loop): a verifying sequence sits out the next step (its length is known
+    only once its verify is processed) while the others run it as decodes, so a plan is priced
+    over both steps: its tokens plus the others' next ones, over its seconds plus a decode step
+    of the others. Where every sequence verifies, no next step runs without them (the loop's
+    work, then not hidden behind a step, is not priced)."""
 
     def __init__(
         self,
@@ -56,33 +64,38 @@ class AdaptivePolicy:
         cost: StepCost,
         calibrator: Calibrator | None = None,
         rollback_seconds: float = 0.0,
-        skip_tokens: float = 0.0,
+        hold: bool = False,
     ) -> None:
         if k < 0:
             raise ValueError("k must be >= 0")
+        if rollback_seconds < 0:
+            raise ValueError("rollback_seconds must be >= 0")
         self.k = k
         self.cost = cost
         self.calibrator = calibrator or Calibrator()
-        if skip_tokens < 0:
-            raise ValueError("skip_tokens must be >= 0")
         self.rollback_seconds = rollback_seconds
-        self.skip_tokens = skip_tokens
+        self.hold = hold
         self.last_budget = 0
         self.last_expected = 0.0  # expected accepted drafts of the last budget
 
     def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
         survivals = [self._survivals(c) for c in candidates]
-        best = _Plan(float(num_seqs) / self.cost.seconds(num_tokens, num_seqs), float(num_seqs))
-        # with a skipped step to pay, a candidate's first slots go as one item (the prefix
-        # worth most per slot after it); ranked by survival alone too, for the steps where
-        # every sequence verifies and no one skips
-        penalties = (0.0, self.skip_tokens) if self.skip_tokens else (0.0,)
-        for penalty in penalties:
-            plan = self._scan(_items(survivals, penalty), len(candidates), num_seqs, num_tokens)
+        step = _Step(self.cost, num_seqs, num_tokens)
+        best = _Plan(num_seqs / step.decode, 0.0)
+        orders = [_items(survivals, 0.0)]  # ranked by survival
+        if self.hold:
+            # a candidate's first slots as one item (the prefix worth most per slot after the
+            # token it forgoes in the step it sits out); and where every sequence may verify
+            # (then none sits out), every candidate's first slot ahead of the rest
+            orders.append(_items(survivals, 1.0))
+            if len(candidates) >= num_seqs:
+                orders.append(sorted(orders[0], key=lambda item: not item[5]))
+        for items in orders:
+            plan = self._scan(items, len(candidates), step)
             if plan.rate > best.rate:
                 best = plan
         self.last_budget = sum(best.lengths)
-        self.last_expected = best.gain - num_seqs
+        self.last_expected = best.expected
         return best.lengths or [0] * len(candidates)
 
     def _survivals(self, c: Candidate) -> list[float]:
@@ -95,26 +108,21 @@ class AdaptivePolicy:
             out.append(survival)
         return out
 
-    def _scan(
-        self, items: list[_Item], num_candidates: int, num_seqs: int, num_tokens: int
-    ) -> _Plan:
+    def _scan(self, items: list[_Item], num_candidates: int, step: _Step) -> _Plan:
         """The best prefix of `items` (in their order) by expected tokens per second."""
-        seconds_of, skip, rollback = self.cost.seconds, self.skip_tokens, self.rollback_seconds
-        best_rate, best_gain, best_items = 0.0, float(num_seqs), 0
-        gain, tokens, verifying = float(num_seqs), 0, 0
+        best = _Plan(0.0, 0.0)
+        expected, drafts, verifying = 0.0, 0, 0
         for b, (_, _, _, count, item_gain, first) in enumerate(items, 1):
-            gain += item_gain
-            tokens += count
+            expected += item_gain
+            drafts += count
             verifying += first
-            skipped = skip * verifying if verifying < num_seqs else 0.0
-            seconds = seconds_of(num_tokens + tokens, num_seqs, tokens)
-            rate = (gain - skipped) / (seconds + rollback * verifying)
-            if rate > best_rate:
-                best_rate, best_gain, best_items = rate, gain, b
-        lengths = [0] * num_candidates
-        for item in items[:best_items]:
-            lengths[item[1]] += item[3]
-        return _Plan(best_rate, best_gain, best_items, lengths)
+            rate = step.rate(expected, drafts, verifying, self.rollback_seconds, self.hold)
+            if rate > best.rate:
+                best = _Plan(rate, expected, b)
+        best.lengths = [0] * num_candidates
+        for item in items[: best.items]:
+            best.lengths[item[1]] += item[3]
+        return best
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.calibrator.observe(confidence, verified, accepted)
@@ -137,9 +145,34 @@ _Item = tuple[float, int, int, int, float, int]
 @dataclass
 class _Plan:
     rate: float  # expected tokens per second
-    gain: float  # expected tokens (num_seqs and the accepted drafts)
+    expected: float  # expected accepted drafts
     items: int = 0  # of the ranked items taken
     lengths: list[int] = field(default_factory=list)
+
+
+class _Step:
+    """The step being planned: `num_seqs` sequences, `num_tokens` tokens without drafts (the
+    rest beyond one per sequence a chunk's), and the costs a plan's rate is made of."""
+
+    def __init__(self, cost: StepCost, num_seqs: int, num_tokens: int) -> None:
+        self.cost, self.num_seqs, self.num_tokens = cost, num_seqs, num_tokens
+        self.base = cost.seconds(num_tokens, num_seqs)
+        self.decode = cost.seconds(num_seqs, num_seqs) if num_tokens > num_seqs else self.base
+
+    def rate(
+        self, expected: float, drafts: int, verifying: int, rollback: float, hold: bool
+    ) -> float:
+        """Expected tokens per second of the plan: `drafts` draft rows over `verifying`
+        sequences, `expected` of them accepted; with `hold`, over this step and the next."""
+        seqs = self.num_seqs
+        added = self.cost.seconds(self.num_tokens + drafts, seqs, drafts) - self.base
+        gain = seqs + expected
+        seconds = self.decode + max(added, 0.0) + rollback * verifying
+        if hold and 0 < verifying < seqs:
+            others = seqs - verifying
+            gain += others
+            seconds += self.cost.seconds(others, others)
+        return gain / seconds
 
 
 def _items(survivals: list[list[float]], penalty: float) -> list[_Item]:
@@ -147,7 +180,8 @@ def _items(survivals: list[list[float]], penalty: float) -> list[_Item]:
     one item worth (S(L) - penalty) / L per slot, for the L that maximises it (L = 1 where
     there is no penalty, survival falling along a draft), its later slots one each: none of
     them is worth more per slot than that prefix, so items keep each candidate's draft order.
-    A candidate whose best prefix does not pay `penalty` has no items."""
+    A candidate whose best prefix does not pay `penalty` (the token a held sequence forgoes)
+    has no items."""
     items: list[_Item] = []
     for i, s in enumerate(survivals):
         best_l, best_v, total = 0, 0.0, 0.0
@@ -178,5 +212,5 @@ def build_policy(
         rollback = 0.0
         if isinstance(cost, CostTable):
             rollback, cost = cost.rollback_seconds, MeasuredCost(cost)
-        return AdaptivePolicy(k, cost, rollback_seconds=rollback, skip_tokens=float(overlap))
+        return AdaptivePolicy(k, cost, rollback_seconds=rollback, hold=overlap)
     raise ValueError(f"unknown spec policy {name!r}: choose one of {', '.join(POLICIES)}")
