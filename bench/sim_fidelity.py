@@ -40,6 +40,7 @@ from daemon.benchmark.client import RequestRecord as RecordOf
 from daemon.benchmark.client import Target, stream_request
 from daemon.service.live_server import free_port
 from daemon.sim.cluster import ClusterConfig, simulate
+from daemon.sim.cost import handoff
 from daemon.sim.node import NodeConfig
 from daemon.sim.table import Bandwidth, CostTable
 from daemon.sim.trace import TRACE_BLOCK, TraceRequest
@@ -99,11 +100,14 @@ def _serve(stack: ExitStack, args: list[str], log: Path) -> Server:
     return stack.enter_context(Server(launch, port, log))
 
 
-def start_setups(stack: ExitStack, e: Engine, tmp: Path, setups: list[str]) -> dict[str, str]:
+def start_setups(
+    stack: ExitStack, e: Engine, tmp: Path, setups: list[str]
+) -> tuple[dict[str, str], dict[str, str]]:
     """Each setup's base URL: a unified node, or a router with one prefill and one decode node
-    registered to it."""
+    registered to it; and the pair's nodes' own URLs, by role."""
     model = [*e.args(), "--served-model-name", NAME]
     urls: dict[str, str] = {}
+    nodes: dict[str, str] = {}
     routers: list[Server] = []
     servers: list[Server] = []
     if "unified" in setups:
@@ -117,6 +121,7 @@ def start_setups(stack: ExitStack, e: Engine, tmp: Path, setups: list[str]) -> d
             servers.append(
                 _serve(stack, [*args, "--handoff-timeout-s", "120"], tmp / f"{role}.log")
             )
+            nodes[role] = servers[-1].base_url
         urls["pair"] = router.base_url
     for s in [*routers, *servers]:
         s.wait_ready(900)
@@ -126,12 +131,44 @@ def start_setups(stack: ExitStack, e: Engine, tmp: Path, setups: list[str]) -> d
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the nodes did not register: {_health(router.base_url)}")
             time.sleep(0.5)
-    return urls
+    return urls, nodes
 
 
 def _health(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
         return json.loads(r.read())
+
+
+HANDOFF_COUNTS = ("kv_handoff_exported", "kv_handoff_imported", "kv_handoff_bytes_exported")
+
+
+def handoff_counters(nodes: dict[str, str]) -> dict[str, float]:
+    """The pair's nodes' handoff counters (/health): exports and imports, bytes, and the
+    seconds by phase (prefill side: export, which holds the prompt's compute, and send; decode
+    side: fetch and import), each key `<role>.<name>`."""
+    out: dict[str, float] = {}
+    for role, url in nodes.items():
+        h = _health(url)
+        out |= {f"{role}.{k}": h[k] for k in HANDOFF_COUNTS if k in h}
+        for phase, s in h.get("kv_handoff_seconds_by_phase", {}).items():
+            out[f"{role}.{phase}_s"] = s
+    return out
+
+
+def handoff_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the real run's handoffs took, from the counters around it: per handoff, the
+    prefill node's send (the HTTP layer's: encode, sha256, write) and the decode node's
+    import (queued for the device thread to done), and the send's bytes per second."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = d.get("prefill.kv_handoff_exported", 0)
+    if not n:
+        return d
+    send = d.get("prefill.send_s", 0.0)
+    d["send_s_per_handoff"] = send / n
+    d["import_s_per_handoff"] = d.get("decode.import_s", 0.0) / n
+    if send > 0:
+        d["send_bytes_per_s"] = d.get("prefill.kv_handoff_bytes_exported", 0) / send
+    return d
 
 
 @dataclass(frozen=True)
@@ -167,7 +204,7 @@ def real_figures(result: dict) -> dict[str, Any]:
         [r["ttft_s"] for r in recs],
         [r["tpot_s"] for r in recs if r["tpot_s"] is not None],
         s["output_throughput"],
-    ) | {"duration_s": s["duration_s"]}
+    ) | {"duration_s": s["duration_s"], "ttft_by_request": _by_index(recs)}
 
 
 def _figures(ttft: list[float], tpot: list[float], tok_s: float) -> dict[str, Any]:
@@ -219,19 +256,36 @@ def sim_figures(
         if r.output_length > 1
     ]
     tok_s = sum(r.output_length for r in done) / run.end_s
-    return _figures(ttft, tpot, tok_s) | {"duration_s": run.end_s, "wall_s": run.wall_s}
+    by_request = [
+        {"index": r.index, "ttft_s": r.first_token_s - r.arrival_s}  # type: ignore[operator]
+        for r in done
+    ]
+    return _figures(ttft, tpot, tok_s) | {
+        "duration_s": run.end_s,
+        "wall_s": run.wall_s,
+        "ttft_by_request": _by_index(by_request),
+    }
+
+
+def _by_index(recs: list[dict]) -> list[float]:
+    """Each request's TTFT in the order the bench numbered them (real and simulated side by
+    side: which requests the model gets wrong)."""
+    return [round(r["ttft_s"], 4) for r in sorted(recs, key=lambda r: r["index"])]
 
 
 PROBE_PROMPT, PROBE_OUT, PROBES = 8, 2, 5
+LINK_PROBES = 3  # handoffs of the workload's prompt length that measure the link's rate
+# loopback HTTP with sha256, measured by bench.pd_disagg handoff on 2026-12-02 (a fallback)
+DEFAULT_LINK_BYTES_S = 0.24e9
 
 
-async def _probe(url: str) -> float:
-    """The median TTFT of PROBES short requests, one after another."""
+async def _probe(url: str, tokens: int = PROBE_PROMPT, count: int = PROBES) -> float:
+    """The median TTFT of `count` requests of `tokens`-token prompts, one after another."""
     target = Target(url + "/v1/completions", NAME, {}, "ids", 0.0, True, {})
     ttft = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
-        for i in range(PROBES):
-            prompt = [1000 + 17 * i + j for j in range(PROBE_PROMPT)]  # a fresh prompt each
+        for i in range(count):
+            prompt = [1000 + 17 * i + j for j in range(tokens)]  # a fresh prompt each
             rec = await stream_request(
                 http, target, prompt, RecordOf(i, PROBE_OUT), time.perf_counter()
             )
@@ -241,20 +295,35 @@ async def _probe(url: str) -> float:
     return median(ttft)
 
 
-def fixed_costs(urls: dict[str, str], table: CostTable, link_bytes_s: float) -> dict[str, float]:
+def fixed_costs(
+    urls: dict[str, str],
+    nodes: dict[str, str],
+    table: CostTable,
+    link_bytes_s: float | None,
+    prompt: int,
+) -> dict[str, float]:
     """What a short request's TTFT holds beyond the table's steps: the serving node's HTTP
-    front (request_s) and, through the router, the handoff's legs (link_latency_s)."""
+    front (request_s) and, through the router, the handoff's legs (link_latency_s); with no
+    `link_bytes_s` given, the link's rate is measured first: the prefill node's send seconds
+    (its /health) over LINK_PROBES handoffs of `prompt`-token prompts (link_bytes_per_s)."""
     n = PROBE_PROMPT
     out: dict[str, float] = {}
     if "unified" in urls:
         out["unified_ttft_s"] = asyncio.run(_probe(urls["unified"]))
         out["request_s"] = max(out["unified_ttft_s"] - table.prefill.at(n, 0), 0.0)
     if "pair" in urls:
+        if link_bytes_s is None:
+            before = handoff_counters(nodes)
+            asyncio.run(_probe(urls["pair"], prompt, LINK_PROBES))
+            sent = handoff_phases(before, handoff_counters(nodes))
+            link_bytes_s = sent.get("send_bytes_per_s", DEFAULT_LINK_BYTES_S)
+        out["link_bytes_per_s"] = link_bytes_s
         out["pair_ttft_s"] = asyncio.run(_probe(urls["pair"]))
-        g = table.kv
-        handoff = -(-(n - 1) // g.block_size) * g.bytes_per_block / link_bytes_s
-        steps = table.prefill.at(n - 1, 0) + table.decode.at(1, n - 1)
-        rest = out["pair_ttft_s"] - out.get("request_s", 0.0) - steps - handoff
+        # the prefill step, the export's run, the bytes on the link, the import's run, the
+        # decode node's step of the last prompt token
+        nbytes, export_s, import_s = handoff(table, n - 1)
+        steps = table.prefill.at(n - 1, 0) + table.decode.at(1, n - 1) + export_s + import_s
+        rest = out["pair_ttft_s"] - out.get("request_s", 0.0) - steps - nbytes / link_bytes_s
         out["link_latency_s"] = max(rest, 0.0)
     return out
 
@@ -273,6 +342,9 @@ def profile(e: Engine, w: Workload, out: Path, note: str) -> CostTable:
     argv += ["--prefill-tokens", ",".join(map(str, tokens)), "--prefill-context", "0"]
     argv += ["--point-seconds", "8"]
     argv += ["--decode-seqs", ",".join(map(str, seqs))]
+    # steps of as many chunks as the clients send at once: a step's once-paid part and each
+    # chunk's own (the sizes of `tokens` whose steps fit the token budget)
+    argv += ["--prefill-batch", f"1,{max(w.concurrency, 2)}"]
     argv += ["--decode-context", f"{w.input_len},{w.input_len + w.output_len}"]
     argv += ["--note", note]
     done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True)
@@ -286,6 +358,7 @@ def one(
     e: Engine,
     w: Workload,
     urls: dict[str, str],
+    nodes: dict[str, str],
     name: str,
     r: int,
     out: Path,
@@ -301,15 +374,18 @@ def one(
     )
     load["after_profile"] = _load()
     profile_s = time.time() - t0
-    costs = fixed_costs(urls, table, a.link_gb_s * 1e9)
+    given = a.link_gb_s * 1e9 if a.link_gb_s is not None else None
+    costs = fixed_costs(urls, nodes, table, given, w.input_len)
     request_s = costs.get("request_s", 0.0) if a.request_ms is None else a.request_ms / 1e3
     latency = costs.get("link_latency_s", 0.0)
     if a.link_latency_ms is not None:
         latency = a.link_latency_ms / 1e3
-    link = Bandwidth(a.link_gb_s * 1e9, latency)
+    link = Bandwidth(costs.get("link_bytes_per_s", given or DEFAULT_LINK_BYTES_S), latency)
     load["before_bench"] = _load()
+    counters = handoff_counters(nodes) if name == "pair" else {}
     result = bench(urls[name], w, 100 * r + 1, out / f"bench-{name}-{r}.json")
     load["after"] = _load()
+    handoffs = handoff_phases(counters, handoff_counters(nodes)) if name == "pair" else {}
     real = real_figures(result)
     sim = sim_figures(table, trace_of(result), e, w, name, link, request_s)
     return {
@@ -320,6 +396,7 @@ def one(
         "fixed_costs": costs,
         "request_s": request_s,
         "link": {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s},
+        "handoffs": handoffs,
         "load": load,
     }
 
@@ -334,13 +411,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     repeats: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        urls = start_setups(stack, e, out / "logs", a.setups)
+        urls, nodes = start_setups(stack, e, out / "logs", a.setups)
         for i, (name, url) in enumerate(urls.items()):  # first allocations, not counted
             bench(url, w, 10_000 + i, out / f"warmup-{name}.json", 2 * w.concurrency)
         for r in range(a.repeats):
             rep: dict[str, Any] = {"repeat": r, "setups": {}}
             for name in a.setups if r % 2 == 0 else a.setups[::-1]:
-                rep["setups"][name] = one(a, e, w, urls, name, r, out)
+                rep["setups"][name] = one(a, e, w, urls, nodes, name, r, out)
                 print(f"repeat {r} {name}: " + _line(rep["setups"][name]["ratio"]), flush=True)
             repeats.append(rep)
     return {
@@ -380,6 +457,7 @@ def resimulate(out: Path) -> dict[str, Any]:
             link = Bandwidth(turn["link"]["bytes_per_s"], turn["link"]["latency_s"])
             sim = sim_figures(table, trace_of(bench_result), e, w, name, link, turn["request_s"])
             turn["sim"] = sim
+            turn["real"]["ttft_by_request"] = _by_index(bench_result["requests"])
             turn["ratio"] = {m: sim[m] / turn["real"][m] for m in METRICS}
     result["median"] = _medians(result["repeats"])
     result["resimulated"] = " ".join(sys.argv)
@@ -450,9 +528,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--link-gb-s",
         type=float,
-        default=0.24,
-        help="the pair's KV handoff bandwidth (0.24: loopback HTTP with sha256, measured by "
-        "bench.pd_disagg handoff, 2026-12-02)",
+        default=None,
+        help="the pair's KV handoff bandwidth (default: measured each turn, the prefill "
+        "node's send seconds over 3 handoffs of the workload's prompt length)",
     )
     p.add_argument(
         "--link-latency-ms", type=float, default=None, help="per handoff (default: measured)"

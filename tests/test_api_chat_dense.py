@@ -112,9 +112,38 @@ def test_bad_input(client: OpenAI, kwargs: dict) -> None:
         client.chat.completions.create(**({"model": NAME, "messages": USER} | kwargs))
 
 
-def test_responses_unsupported_here(client: OpenAI) -> None:
-    with pytest.raises(BadRequestError):
-        client.responses.create(model=NAME, input="hi")
+def test_responses_and_messages_answer_as_chat_does(client: OpenAI, server: LiveServer) -> None:
+    """Through the same chat template: the same prompt (its length) and greedy text; tools
+    are refused there (400 in each protocol's shape)."""
+    from anthropic import Anthropic
+    from anthropic import BadRequestError as AnthropicBadRequest
+
+    chat = client.chat.completions.create(model=NAME, messages=USER, max_tokens=8, temperature=0)
+    text = chat.choices[0].message.content
+    resp = client.responses.create(
+        model=NAME, instructions="Be brief.", input="Hello", max_output_tokens=8, temperature=0
+    )
+    assert (resp.output_text, resp.usage.input_tokens) == (text, chat.usage.prompt_tokens)
+    claude = Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    msg = claude.messages.create(
+        model=NAME,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        extra_body={"temperature": 0},  # this SDK has no argument for it
+    )
+    prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    assert (msg.content[0].text, prompt) == (text, chat.usage.prompt_tokens)
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    with pytest.raises(BadRequestError, match="tools"):
+        client.responses.create(model=NAME, input="hi", tools=[tool], max_output_tokens=2)
+    with pytest.raises(AnthropicBadRequest, match="tools"):
+        claude.messages.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            max_tokens=2,
+        )
 
 
 def test_tokenize_messages_uses_template(server: LiveServer, chat_dir: Path) -> None:

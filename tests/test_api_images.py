@@ -102,27 +102,35 @@ def metric(server, name: str) -> float:
     return float(m.group(1))
 
 
-def reference_tokens(llava_chat_dir: Path, image: bytes, n: int) -> list[int]:
-    """transformers' greedy tokens for the same prompt and image."""
+def image_prompt(model_dir: Path, image: bytes) -> tuple[list[int], torch.Tensor, int]:
+    """The chat prompt of `messages` with the image's placeholders expanded, the image's pixels
+    [1, C, H, W] as the model's processor makes them, and the first placeholder's index."""
     from PIL import Image
-    from transformers import LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    tok = TextTokenizer(llava_chat_dir, {})
-    template = ChatTemplate.load(llava_chat_dir, tok)
+    tok = TextTokenizer(model_dir, {})
+    template = ChatTemplate.load(model_dir, tok)
     assert template is not None
     ids = template.encode({"messages": messages("x")}, image_text=tok.token_text(IMAGE_TOKEN))
     i = ids.index(IMAGE_TOKEN)
     ids = ids[:i] + [IMAGE_TOKEN] * IMAGE_TOKENS + ids[i + 1 :]
-    processor = CLIPImageProcessorPil.from_pretrained(llava_chat_dir)
+    processor = CLIPImageProcessorPil.from_pretrained(model_dir)
     pixels = processor(images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    return ids, pixels["pixel_values"], i
+
+
+def reference_tokens(llava_chat_dir: Path, image: bytes, n: int) -> list[int]:
+    """transformers' greedy tokens for the same prompt and image."""
+    from transformers import LlavaForConditionalGeneration
+
+    ids, pixels, _ = image_prompt(llava_chat_dir, image)
     model = LlavaForConditionalGeneration.from_pretrained(
         llava_chat_dir, dtype=torch.float32
     ).eval()
     with torch.inference_mode():
         out = model.generate(
             input_ids=torch.tensor([ids]),
-            pixel_values=pixels["pixel_values"],
+            pixel_values=pixels,
             max_new_tokens=n,
             do_sample=False,
         )
@@ -219,3 +227,120 @@ def test_image_limits_are_400s(client):
         model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+GREEDY = {"extra_body": {"temperature": 0}}  # Anthropic's SDK here has no argument for it
+
+
+def anthropic(server):  # noqa: ANN001, ANN201
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+
+def message_blocks(image: dict) -> list[dict]:
+    """`messages(...)`'s user turn as Messages content blocks."""
+    text = [{"type": "text", "text": TEXT}, image, {"type": "text", "text": " Answer."}]
+    return [{"role": "user", "content": text}]
+
+
+def base64_block(data: bytes, kind: str = "image/png") -> dict:
+    source = {"type": "base64", "media_type": kind, "data": base64.b64encode(data).decode()}
+    return {"type": "image", "source": source}
+
+
+def response_input(url: str) -> list[dict]:
+    parts = [
+        {"type": "input_text", "text": TEXT},
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+        {"type": "input_text", "text": " Answer."},
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+def chat_equal(url: str) -> list[dict]:
+    """`message_blocks` and `response_input` as Chat Completions renders the same prompt: the
+    recipe joins a turn's parts with a blank line (as DeepSeek's encoding does), chat joins its
+    parts as they are."""
+    parts = [
+        {"type": "text", "text": TEXT + "\n\n"},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "\n\n Answer."},
+    ]
+    return [{"role": "user", "content": parts}]
+
+
+def test_messages_and_responses_images_answer_as_chat_does(client, server):
+    """The same image and text through Anthropic's Messages (a base64 `image` block) and
+    OpenAI's Responses (an `input_image` data URL): the chat path's prompt (its length), its
+    greedy text, the image encoded once for all three (then from the cache)."""
+    image = png(11)
+    encoded = metric(server, "images_encoded")
+    chat = client.chat.completions.create(
+        model=NAME, messages=chat_equal(data_url(image)), max_tokens=6, temperature=0
+    )
+    msg = anthropic(server).messages.create(
+        model=NAME, messages=message_blocks(base64_block(image)), max_tokens=6, **GREEDY
+    )
+    # Anthropic counts the tokens read from the cache apart (chat's blocks are cached now)
+    read = msg.usage.cache_read_input_tokens or 0
+    assert read > 0 and msg.usage.input_tokens + read == chat.usage.prompt_tokens
+    assert msg.content[0].text == chat.choices[0].message.content
+    resp = client.responses.create(
+        model=NAME, input=response_input(data_url(image)), max_output_tokens=6, temperature=0
+    )
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.output_text == chat.choices[0].message.content
+    assert metric(server, "images_encoded") == encoded + 1
+    # streamed, the same text
+    with anthropic(server).messages.stream(
+        model=NAME, messages=message_blocks(base64_block(image)), max_tokens=6, **GREEDY
+    ) as stream:
+        assert stream.get_final_text() == chat.choices[0].message.content
+    events = client.responses.create(
+        model=NAME,
+        input=response_input(data_url(image)),
+        max_output_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == chat.choices[0].message.content
+
+
+def test_messages_image_errors_are_anthropic_400s(server):
+    from anthropic import BadRequestError as AnthropicBadRequest
+
+    bad = [
+        (base64_block(b"not an image at all"), "decoded"),
+        ({"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/x.png"}}, "http"),
+    ]
+    for block, words in bad:
+        with pytest.raises(AnthropicBadRequest) as e:
+            anthropic(server).messages.create(
+                model=NAME, messages=message_blocks(block), max_tokens=2
+            )
+        body = e.value.response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert words in body["error"]["message"], body
+    three = [{"role": "user", "content": [base64_block(png(4)) for _ in range(3)]}]
+    with pytest.raises(AnthropicBadRequest, match="at most 2"):
+        anthropic(server).messages.create(model=NAME, messages=three, max_tokens=2)
+
+
+def test_responses_image_errors_are_openai_400s(client):
+    bad = [
+        (data_url(b"not an image at all"), "decoded"),
+        ("http://127.0.0.1:9/x.png", "scheme 'http'"),
+    ]
+    for url, words in bad:
+        with pytest.raises(BadRequestError) as e:
+            client.responses.create(model=NAME, input=response_input(url), max_output_tokens=2)
+        err = e.value.response.json()["error"]
+        assert err["type"] == "invalid_request_error" and words in err["message"], err
+        assert err["param"], err  # where the request has the image
+    parts = [{"type": "input_image", "image_url": data_url(png(4))} for _ in range(3)]
+    with pytest.raises(BadRequestError, match="at most 2"):
+        client.responses.create(
+            model=NAME, input=[{"role": "user", "content": parts}], max_output_tokens=2
+        )

@@ -1,21 +1,33 @@
 """The encoder role on real daemon processes: a node whose images are encoded by an encoder node
-(`--role encoder`, found in the node's registry) answers as a single node encoding its own; a
-dead encoder is passed over for the next; with none left, a 503 in OpenAI's shape, while
+(`--role encoder`, found in the node's registry) answers as a single node encoding its own (a
+Messages `image` block as a chat `image_url` part); a dead encoder is passed over for the next; with none left, a 503 in OpenAI's shape, while
 text-only requests never wait."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from anthropic import Anthropic
 from openai import APIStatusError, OpenAI
 
+from daemon.cluster.image_wire import EncodedImages, pack_encoded
 from daemon.service.live_server import free_port
 from tests.daemons import spawn, wait_healthy
-from tests.test_api_images import NAME, data_url, messages, png
+from tests.test_api_images import (
+    NAME,
+    base64_block,
+    chat_equal,
+    data_url,
+    message_blocks,
+    messages,
+    png,
+)
 
 
 def node_args(model: Path, *extra: str) -> list[str]:
@@ -88,6 +100,25 @@ def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir
         other = answer(enc, png(8))  # a different image changes the answer
         assert other != single
         assert answer(node, png(8)) == other
+        # a Messages `image` block goes the same way: to the encoder node, the chat answer
+        encoded = metric(enc, "images_encoded")
+        claude = Anthropic(base_url=node, api_key="x", max_retries=0, timeout=60)
+        blocks = message_blocks(base64_block(png(10)))
+        msg = claude.messages.create(
+            model=NAME, messages=blocks, max_tokens=4, extra_body={"temperature": 0}
+        )
+        assert metric(enc, "images_encoded") == encoded + 1
+        chat = OpenAI(base_url=node + "/v1", api_key="x", max_retries=0, timeout=60)
+        same = chat.chat.completions.create(
+            model=NAME, messages=chat_equal(data_url(png(10))), max_tokens=4, temperature=0
+        )
+        assert msg.content[0].text == same.choices[0].message.content
+        # the wire carries the images as sent: one whose digest is not its sha256 is refused
+        lying = EncodedImages([png(1)], [hashlib.sha256(png(2)).digest()], "fp")
+        post = urllib.request.Request(enc + "/cluster/v1/encode", data=pack_encoded(lying))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=10)
+        assert refused.value.code == 400 and b"digest" in refused.value.read()
         proc.terminate()
         proc.wait(timeout=15)
         client = OpenAI(base_url=node + "/v1", api_key="x", max_retries=0, timeout=60)

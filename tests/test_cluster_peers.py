@@ -100,3 +100,22 @@ def test_remove_and_epochs() -> None:
     assert peers.get("p0").epoch == 4
     with pytest.raises(ValueError):
         peers.upsert(node("p1"), 0)
+
+
+def test_lapsed_nodes_are_remembered_for_a_while_unless_they_left() -> None:
+    clock = Clock()
+    peers = PeerSet(clock)
+    peers.upsert(node("d0", "decode"), ttl_s=3)
+    peers.upsert(node("d1", "decode"), ttl_s=3)
+    peers.upsert(node("d2", "decode"), ttl_s=30)
+    peers.remove("d1")  # left: not waited for
+    clock.now += 4
+    assert [n.node_id for n in peers.live()] == ["d2"]
+    assert [n.node_id for n in peers.lapsed_since(10)] == ["d0"]
+    clock.now += 8  # lapsed 9 s ago
+    assert [n.node_id for n in peers.lapsed_since(10)] == ["d0"]
+    assert peers.lapsed_since(5) == []  # forgotten past that
+    peers.upsert(node("d3", "decode"), ttl_s=3)
+    clock.now += 4
+    peers.upsert(node("d3", "decode"), ttl_s=3)  # came back: no longer lapsed
+    assert peers.lapsed_since(10) == []

@@ -5,7 +5,9 @@ corrupted or removed there: still the same answer); then the failures: a node th
 connections (retried), a client gone mid-stream (every block back), a stale epoch (at the
 prefill node, and through the router), the prefill node SIGKILLed during the handoff and
 before it (computed on the decode node), the router stopped mid-stream (the stream ends) and
-restarted, the decode node SIGKILLed mid-stream (a clean error), none left (503)."""
+restarted, the decode node frozen past its lease mid-stream (the stream goes on), a node gone
+past the router's grace (the stream ends with an error event), the decode node SIGKILLed
+mid-stream (a clean error), none left (503)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from anthropic import Anthropic
 from openai import APIError, NotFoundError, OpenAI
 
@@ -117,6 +120,7 @@ def start_cluster(
     ports = {role: free_port() for role in ("router", "prefill", "decode", "unified")}
     urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
     router_args = ["--role", "router", "--lease-s", "3", "--log-format", "json"]
+    router_args += ["--prefill-balance-rel", "2", "--prefill-balance-abs", "6"]
     node = _model_args(model, name, tmp / "store", *extra)
     args = {
         "router": router_args + ["--handoff-timeout-s", "10"],
@@ -288,6 +292,8 @@ def test_the_router_lists_the_model_and_counts(cluster: Cluster) -> None:
         text = r.read().decode()
     assert 'deepinfer:router_requests_total{path="/v1/completions"}' in text
     assert 'deepinfer:router_prefill_routes_total{prefix="hit"}' in text  # the same prompt again
+    # the prefill route's load bound, from the router's flags
+    assert cluster.router.health()["prefill_balance"] == {"rel": 2.0, "abs": 6}
 
 
 def test_an_unknown_model_is_a_404_in_each_protocol(cluster: Cluster) -> None:
@@ -459,6 +465,92 @@ def test_a_frozen_prefill_node_leaves_the_prompt_to_the_decode_node(cluster: Clu
     assert cluster.decode.health()["kv_handoff_recomputed"] == before + 1
     _idle(cluster.decode)
     _idle(cluster.prefill)  # its handoff, cut off by the decode node, freed everything
+
+
+def test_a_decode_node_frozen_past_its_lease_finishes_its_stream(cluster: Cluster) -> None:
+    """A starved node misses heartbeats while it still computes: its lease lapses mid-stream
+    (SIGSTOP until the router's set has lost it), and once it runs again it registers again
+    and the stream goes on to the same answer; a request that came meanwhile (no live node
+    of its model) waited for it; no failure is counted."""
+    kwargs = dict(
+        model=NAME, prompt=PROMPT, max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(_oai(cluster.router).completions.create(stream=True, **kwargs))
+    text = []
+    while not text:
+        text = [c.text for c in next(chunks).choices if c.text]
+    assert cluster.decode.health()["running"] == 1
+    cluster.decode.proc.send_signal(signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            _until(lambda: cluster.router.health()["nodes"]["decode"] == 0, 10, "the lease lapsed")
+            # a new request meanwhile waits for the node to come back, rather than a 503
+            later = pool.submit(_complete, cluster.router, False, PROMPT[::2])
+            time.sleep(1.0)  # a few of the router's polls see the node gone
+            assert not later.done()
+        finally:
+            cluster.decode.proc.send_signal(signal.SIGCONT)
+        text += [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(text) == _complete(cluster.unified, False, PROMPT, 300)
+        assert later.result(timeout=60) == _complete(cluster.unified, False, PROMPT[::2])
+    _until(lambda: cluster.router.health()["nodes"]["decode"] == 1, 10, "registered again")
+    with urllib.request.urlopen(cluster.router.url + "/metrics", timeout=5) as r:
+        assert "node_lost" not in r.read().decode()
+    # the router did wait on the node while it was out of the set
+    assert '"serving_node_lapsed"' in cluster.router_command[2].read_text()
+    _idle(cluster.decode)
+
+
+async def test_a_node_gone_past_the_grace_ends_the_stream(tmp_path: Path) -> None:
+    """A node out of the router's set that sends nothing more is given up after
+    --lost-node-grace-s: the stream ends with the protocol's error event. The node is an
+    aiohttp server here that streams one event, then nothing, and never heartbeats."""
+
+    async def stalled(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+        await asyncio.sleep(60)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stalled)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    node_port, port = free_port(), free_port()
+    await web.TCPSite(runner, "127.0.0.1", node_port).start()
+    args = ["--role", "router", "--lost-node-grace-s", "1", "--log-format", "json"]
+    router = spawn(port, args, tmp_path / "router.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.to_thread(wait_healthy, url, router, 60)
+        node = NodeInfo(
+            node_id="d-stalls",
+            role="decode",
+            fingerprint="unused",
+            url=f"http://127.0.0.1:{node_port}",
+            epoch=1,
+            served_model=NAME,
+            capacity={"kv_blocks": 10, "max_num_seqs": 4},
+            load={"running": 0, "waiting": 0, "kv_blocks_free": 10},
+        )
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.post(url + "/cluster/v1/nodes", json=node.to_json() | {"ttl_s": 1}):
+                pass
+            body = {"model": NAME, "prompt": "hi", "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert b'"text": "a"' in await resp.content.readline()
+                start = time.monotonic()
+                rest = await resp.read()
+            # the lease (1 s) and the grace (1 s), then a poll (0.5 s)
+            assert time.monotonic() - start < 8
+            assert b"serving node failed" in rest and rest.endswith(b"data: [DONE]\n\n")
+            async with session.get(url + "/metrics") as m:
+                assert 'reason="stream_node_lost"' in await m.text()
+    finally:
+        _stop(router)
+        await runner.cleanup()
 
 
 def test_a_router_told_to_stop_finishes_the_streams_it_has(cluster: Cluster) -> None:

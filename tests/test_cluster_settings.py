@@ -14,7 +14,9 @@ from daemon.cluster.config import (
     autoscale_targets,
     etcd_endpoint,
     node_id,
+    prefill_balance,
 )
+from daemon.cluster.router import PrefillBalance
 from daemon.service.cli import build_parser
 from daemon.service.flags import overrides, settings_from
 from daemon.service.settings import ConfigError, load_settings
@@ -111,6 +113,8 @@ def test_file_and_environment(tmp_path: Path) -> None:
         (["--role", "router", "--autoscale"], "server.admin_token"),
         (["--autoscale-up", "0.5", "--autoscale-down", "0.6"], "cluster.autoscale"),
         (["--autoscale-window-s", "0"], "cluster.autoscale_window_s"),
+        (["--prefill-balance-rel", "0.9"], "cluster.prefill_balance_rel"),
+        (["--prefill-balance-abs", "-1"], "cluster.prefill_balance_abs"),
     ],
 )
 def test_bad_values_name_the_key(flags: list[str], key: str) -> None:
@@ -127,6 +131,14 @@ def test_autoscale_settings() -> None:
     targets = autoscale_targets(s.cluster)
     assert s.cluster.autoscale and s.server.admin_token == "t0k"
     assert (targets.ttft_p99_s, targets.node_dwell_s, targets.up) == (0.5, 30.0, 1.0)
+
+
+def test_prefill_balance_settings() -> None:
+    assert prefill_balance(_settings().cluster) == PrefillBalance(1.5, 4)  # the router's default
+    c = _settings("--role", "router", "--prefill-balance-rel", "2.5", "--prefill-balance-abs", "0")
+    assert prefill_balance(c.cluster) == PrefillBalance(2.5, 0)
+    env = {"DEEPINFER_CLUSTER_PREFILL_BALANCE_ABS": "9"}
+    assert load_settings(None, env).cluster.prefill_balance_abs == 9
 
 
 def test_serve_refuses_bad_cluster_flags() -> None:

@@ -1,11 +1,16 @@
 """The compiled CPU forward (daemon/models/compiled.py): greedy outputs equal the eager
 engine's, alone and batched, across batch sizes and KV widths, with mixed steps (compiled
 halves around the eager attention) between them and prefix-cache hits; the graphs compiled at
-start and none after; inductor's code kept under deepinfer's cache directory."""
+start and none after; inductor's code kept under deepinfer's cache directory; the graphs saved
+there loaded by a new process without compiling, with the same logits, and a corrupt or
+mismatched saved graph compiled again."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +21,12 @@ from torch._dynamo.utils import counters
 
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
+from daemon.loop.engine import Engine
 from daemon.loop.request import SamplingParams
+from daemon.models.attention import AttentionBatch, PrefillChunk
 from daemon.models.compiled import CompiledDecode
 from tests.checkpoints import make_dense_checkpoint
+from tests.daemons import ROOT, checkout_env
 
 PROMPT_LENGTHS = [3, 17, 40, 64, 90, 5, 33, 120, 7]  # KV widths of 1 to 9 blocks
 MAX_NUM_SEQS = 8  # below the prompts: the batch shrinks and grows as requests come and go
@@ -33,23 +41,56 @@ class Run:
     compiled_steps: list[tuple[int, int, int]] = field(default_factory=list)
     graphs_at_start: int = 0  # graphs dynamo made while the engine was built
     graphs_serving: int = 0  # ... and while it served
+    checkpoint: Path | None = None
+    probe: torch.Tensor | None = None  # probe_logits() after the build (compiled only)
+    misses: int = 0  # steps whose inputs the graphs' guards refused (run eagerly)
+    artifacts: Path | None = None  # where the compiled forward saved its graphs
+
+
+def engine_config(checkpoint: Path | str, eager: bool = False) -> EngineConfig:
+    return EngineConfig(
+        model=str(checkpoint),
+        device="cpu",
+        kv_cache_memory_gb=0.05,
+        max_num_seqs=MAX_NUM_SEQS,
+        enforce_eager=eager,
+    )
+
+
+def probe_logits(engine: Engine) -> torch.Tensor:
+    """Logits of a 20-token prompt's last token (the compiled halves) and of one decode step
+    after it (the decode layer), from the engine's compiled forward before it serves; writes
+    KV blocks from 1 on, which serving overwrites before it reads them."""
+    runner = engine.runner
+    graphs, model, bs = runner.graphs, runner.model, runner.cache.block_size
+    n = 20
+    blocks = torch.arange(1, 1 + -(-(n + 1) // bs))
+    pos = torch.arange(n + 1)
+    slots = blocks[pos // bs] * bs + pos % bs
+    prompt = torch.arange(3, 3 + n)
+    torch.set_num_threads(runner.cpu_threads)  # as the device thread's: the same sums
+    with torch.inference_mode():
+        no_decodes = torch.zeros(0, 1, dtype=torch.long)
+        idle = torch.zeros(0, 1, 1, bs, dtype=torch.bool)
+        chunk = PrefillChunk(0, n, None, None)
+        prefill = AttentionBatch(slots[:n], 0, no_decodes, idle, [chunk], bs)
+        first = graphs.run(prompt, pos[:n], prefill)
+        mask = (torch.arange(len(blocks) * bs) <= n).view(1, 1, 1, -1)
+        decode = AttentionBatch(slots[n:], 1, blocks[None], mask, [], bs)
+        second = graphs.run(torch.tensor([7]), pos[n:], decode)
+        assert first is not None and second is not None  # both through the graphs
+        return torch.cat([model.compute_logits(first[-1:]), model.compute_logits(second)])
 
 
 def _serve(checkpoint: Path, prompts: list[list[int]], eager: bool) -> Run:
     before = counters["stats"]["unique_graphs"]
-    engine, _ = build_engine(
-        EngineConfig(
-            model=str(checkpoint),
-            device="cpu",
-            kv_cache_memory_gb=0.05,
-            max_num_seqs=MAX_NUM_SEQS,
-            enforce_eager=eager,
-        )
-    )
+    engine, _ = build_engine(engine_config(checkpoint, eager))
     built = counters["stats"]["unique_graphs"]
     graphs = engine.runner.graphs
     steps: list[tuple[int, int, int]] = []
+    probe = None
     if graphs is not None:
+        probe = probe_logits(engine)
         run = graphs.run
 
         def spy(input_ids, positions, batch):
@@ -79,7 +120,16 @@ def _serve(checkpoint: Path, prompts: list[list[int]], eager: bool) -> Run:
     batched, alone = asyncio.run(main())
     served = counters["stats"]["unique_graphs"]
     return Run(
-        batched, alone, type(graphs) if graphs else None, steps, built - before, served - built
+        batched,
+        alone,
+        type(graphs) if graphs else None,
+        steps,
+        built - before,
+        served - built,
+        checkpoint,
+        probe,
+        graphs.misses if graphs else 0,
+        graphs.artifacts if graphs else None,
     )
 
 
@@ -130,10 +180,94 @@ def test_graphs_are_made_at_start_only(runs: tuple[Run, Run]) -> None:
     compiled = runs[1]
     assert compiled.graphs_at_start == 3
     assert compiled.graphs_serving == 0
+    assert compiled.misses == 0  # every step's inputs passed the graphs' guards
 
 
 def test_inductor_code_lies_in_the_cache_directory(runs: tuple[Run, Run], cache_root: Path) -> None:
     assert any((cache_root / "inductor").rglob("*.py"))
+
+
+_LOAD_AGAIN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from daemon.build.engine import build_engine
+from tests.test_compiled_forward import engine_config, probe_logits
+engine, _ = build_engine(engine_config(sys.argv[1]))
+graphs = engine.runner.graphs
+torch.save(probe_logits(engine), sys.argv[2])
+print("RESULT", json.dumps({
+    "loaded": graphs.loaded,
+    "failed": graphs.failed,
+    "artifacts": str(graphs.artifacts),
+    "counters": {k: dict(v) for k, v in counters.items()},
+}))
+"""
+
+
+def _load_again(run: Run, cache_root: Path, logits: Path) -> tuple[dict, str]:
+    """A new process building the same engine over `cache_root`: its RESULT and its log."""
+    env = checkout_env() | {"DEEPINFER_CACHE": str(cache_root)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the engine's default: under deepinfer's
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_AGAIN, str(run.checkpoint), str(logits)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT ")), out
+
+
+def _compiled_nothing(result: dict) -> bool:
+    """Dynamo traced no graph, AOTAutograd saw none, inductor looked none up in its caches
+    (a loaded graph replays inductor's other counters, as a cache hit does)."""
+    counters = result["counters"]
+    return not (
+        counters.get("stats", {}).get("unique_graphs")
+        or counters.get("aot_autograd")
+        or any(k.startswith("fxgraph_cache") for k in counters.get("inductor", {}))
+    )
+
+
+# one architecture: the saved-graph path is the same for all
+@pytest.mark.parametrize("runs", ["llama"], indirect=True)
+def test_a_new_process_loads_the_saved_graphs_and_compiles_nothing(
+    runs: tuple[Run, Run], cache_root: Path, tmp_path: Path
+) -> None:
+    compiled = runs[1]
+    result, _ = _load_again(compiled, cache_root, tmp_path / "logits.pt")
+    assert result["artifacts"] == str(compiled.artifacts)
+    assert result["loaded"] == 3 and not result["failed"]
+    assert _compiled_nothing(result), result["counters"]
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), compiled.probe)
+
+
+@pytest.mark.parametrize("runs", ["llama"], indirect=True)
+def test_a_corrupt_or_mismatched_saved_graph_is_compiled_again(
+    runs: tuple[Run, Run], cache_root: Path, tmp_path: Path
+) -> None:
+    """One file cut short (it does not load), another a valid graph of the wrong function
+    (it loads, then refuses the warm-up's inputs): the engine compiles them again, serves the
+    same logits, and saves them anew."""
+    compiled = runs[1]
+    saved = compiled.artifacts
+    assert saved is not None and saved.is_relative_to(cache_root)
+    files = {
+        name: saved / f"{name}.bin" for name in ("decode_layer", "attention_in", "attention_out")
+    }
+    files["decode_layer"].write_bytes(files["decode_layer"].read_bytes()[:1000])
+    files["attention_out"].write_bytes(files["attention_in"].read_bytes())
+    result, log = _load_again(compiled, cache_root, tmp_path / "logits.pt")
+    assert "compiled_artifact_unusable" in log and "compiled_artifacts_failed" in log
+    assert result["loaded"] == 0 and not result["failed"]
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), compiled.probe)
+    # saved anew: whole, each its own
+    assert files["decode_layer"].stat().st_size > 1000
+    assert files["attention_out"].read_bytes() != files["attention_in"].read_bytes()
 
 
 _WITHOUT_COMPILER = """
@@ -157,11 +291,6 @@ print("tokens", len(asyncio.run(main())))
 
 
 def test_without_a_cxx_compiler_the_engine_serves_on_the_torch_paths(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from tests.daemons import ROOT, checkout_env
-
     checkpoint = make_dense_checkpoint(tmp_path / "m", "llama")
     env = checkout_env() | {
         "DEEPINFER_ENGINE_ENFORCE_EAGER": "0",

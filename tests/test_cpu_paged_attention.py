@@ -152,11 +152,11 @@ def test_paged_attention_uses_the_op_beside_prefill_chunks(
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("n,ctx", [(7, 7), (5, 23), (1, 16)])
-def test_the_accelerator_form_of_chunk_attention_equals_the_plain_one(
+def test_the_fused_form_of_chunk_attention_equals_the_plain_one(
     heads: tuple[int, int], n: int, ctx: int
 ) -> None:
-    """Repeated KV heads and a lower-right causal bias (what flash kernels take) give what the
-    boolean mask and enable_gqa give; checked on the CPU, where both forms run."""
+    """Repeated KV heads and a lower-right causal bias (what flash kernels take, the default)
+    give what the boolean mask and enable_gqa give."""
     from daemon.models.attention import chunk_attention
 
     hq, hkv = heads

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.images import ImageLimits, ImageReader, ImageRef, expand_placeholders
@@ -53,6 +54,14 @@ def image_server() -> Iterator[str]:
 def test_data_urls_read_and_hashed() -> None:
     a, b = reader().read([ImageRef(data_url(png(1)), "p0"), ImageRef(data_url(png(2)), "p1")])
     assert a.pixel_values.shape == (3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE)
+    assert a.data == png(1)
+    # an encoder node's way: the bytes as sent, the same pixels
+    assert torch.equal(reader().pixels(a.data, "images[0]"), a.pixel_values)
+    with pytest.raises(CodecError, match="could not be decoded") as e:
+        reader().pixels(b"GIF89a broken", "images[1]")
+    assert e.value.param == "images[1]"
+    with pytest.raises(CodecError, match="at most 100"):
+        reader(max_bytes=100).pixels(a.data, "images[0]")
     assert a.digest != b.digest
     (again,) = reader().read([ImageRef(data_url(png(1), "image/jpeg"), "p")])  # type not trusted
     assert again.digest == a.digest

@@ -8,37 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 from pathlib import Path
 
 import pytest
 
-from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
 from daemon.loop.images import ImageInput
 from daemon.loop.request import Request, RequestStatus, SamplingParams
-from daemon.models.tokenizer import TextTokenizer
-from tests.test_api_images import IMAGE_TOKEN, IMAGE_TOKENS, messages, png
+from tests.test_api_images import image_prompt, png
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 def prompt_and_image(model: Path, seed: int) -> tuple[list[int], ImageInput]:
-    from PIL import Image
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    tok = TextTokenizer(model, {})
-    template = ChatTemplate.load(model, tok)
-    assert template is not None
-    ids = template.encode({"messages": messages("x")}, image_text=tok.token_text(IMAGE_TOKEN))
-    i = ids.index(IMAGE_TOKEN)
-    ids = ids[:i] + [IMAGE_TOKEN] * IMAGE_TOKENS + ids[i + 1 :]
     data = png(seed)
-    processor = CLIPImageProcessorPil.from_pretrained(model)
-    pixels = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
-    return ids, ImageInput(hashlib.sha256(data).digest(), pixels["pixel_values"][0], i)
+    ids, pixels, i = image_prompt(model, data)
+    return ids, ImageInput(hashlib.sha256(data).digest(), pixels[0], i)
 
 
 async def until(check, timeout: float = 30.0) -> None:

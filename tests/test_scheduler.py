@@ -10,6 +10,9 @@ from daemon.kv.manager import KVManager
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.loop.request import FinishReason, Request, SamplingParams
 from daemon.loop.scheduler import Scheduler
+from daemon.loop.spec.base import Draft
+from daemon.loop.spec.policy import FixedPolicy
+from daemon.loop.spec.speculator import Speculator
 
 SPEC = FullAttentionSpec(
     block_size=4, num_layers=1, dtype=torch.float32, num_kv_heads=1, head_dim=2
@@ -121,3 +124,44 @@ def test_block_pool_refcounts() -> None:
     assert pool.num_free == 3
     with pytest.raises(ValueError):
         pool.decref(a)
+
+
+class _Lookup:
+    """Drafts two tokens for the requests named, none for the others."""
+
+    name = "lookup"
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def propose(self, req: Request, k: int) -> Draft:
+        if req.request_id not in self.names:
+            return Draft([], [])
+        return Draft([1, 2][:k], [0.9, 0.9][:k])
+
+    def observe(self, req: Request, draft: Draft, accepted: int) -> None:
+        pass
+
+    def finished(self, req: Request) -> None:
+        pass
+
+
+@pytest.mark.parametrize("drafting,thin", [("abc", True), ("ab", False)])
+def test_a_thin_step_waits_for_the_one_in_flight(drafting: str, thin: bool) -> None:
+    """With speculation and a step in flight, the next step goes only if at least half of the
+    running requests can join it (the rest verify); else it waits and everyone runs after."""
+    s = make(num_blocks=64, budget=32)
+    s.speculator = Speculator(_Lookup(set(drafting)), FixedPolicy(2), 2)
+    for name in "abcd":
+        s.add(req(name, 3, max_tokens=16))
+    finish_step(s, s.schedule())  # the prefills
+    verify = s.schedule()
+    assert sorted(x.request.request_id for x in verify.seqs if x.draft) == sorted(drafting)
+    overlapped = s.schedule(overlapped=True)  # the verify step still in flight
+    if not thin:
+        assert sorted(x.request.request_id for x in overlapped.seqs) == ["c", "d"]
+        return
+    assert overlapped is None
+    s.add(req("e", 3))  # a request to admit: a step is worth running
+    step = s.schedule(overlapped=True)
+    assert sorted(x.request.request_id for x in step.seqs) == ["d", "e"]

@@ -54,6 +54,11 @@ def test_profile_writes_a_table_that_loads_back(quick_table: Path, tmp_path: Pat
     assert all(s > 0 for row in table.prefill.seconds + table.decode.seconds for s in row)
     assert table.store_read.latency_s > 0 and table.store_write.bytes_per_s > 0
     assert table.host_load.bytes_per_s > 0
+    # steps of 1 and 2 chunks (the quick grid's) of each chunk size: the once-a-step part
+    batch = table.prefill_batch
+    assert batch is not None and batch.rows == [8, 32] and batch.columns == [1, 2]
+    assert all(row[1] >= row[0] > 0 for row in batch.seconds)
+    assert 0 <= StepCost(table).fixed(32) <= batch.seconds[1][0]
     # round trip: the same table again
     again = tmp_path / "again.json"
     table.save(again)
@@ -63,6 +68,17 @@ def test_profile_writes_a_table_that_loads_back(quick_table: Path, tmp_path: Pat
     mid = g.at((g.rows[0] + g.rows[-1]) / 2, g.columns[0])
     assert min(g.seconds[0][0], g.seconds[-1][0]) <= mid <= max(g.seconds[0][0], g.seconds[-1][0])
     assert StepCost(table).base == pytest.approx(g.seconds[0][0])
+
+
+def test_profile_refuses_a_batch_axis_without_one_chunk(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    done = deepinfer(
+        "profile", "--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path / "t.json"),
+        "--prefill-batch", "2,4",
+    )  # fmt: skip
+    assert done.returncode == 2 and "--prefill-batch must be 1 and more" in done.stderr
+    assert not (tmp_path / "t.json").exists()
 
 
 def test_a_bad_table_is_refused(quick_table: Path, tmp_path: Path) -> None:
@@ -119,6 +135,7 @@ def test_simulate_writes_json_and_png(quick_table: Path, tmp_path: Path) -> None
         (["--table", "/nonexistent/table.json"], "No such file"),
         (["--max-concurrency", "-1"], "--max-concurrency must be >= 0"),
         (["--request-ms", "-5"], "--request-ms must be a number >= 0"),
+        (["--prefill-balance-rel", "0.5"], "--prefill-balance-rel / --prefill-balance-abs"),
     ],
 )
 def test_simulate_bad_input(args: list[str], message: str, tmp_path: Path) -> None:

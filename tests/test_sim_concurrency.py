@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.cluster import ClusterConfig, simulate
+from daemon.sim.cost import handoff
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
 from daemon.sim.trace import TraceRequest
@@ -74,8 +75,12 @@ def test_the_http_front_takes_requests_one_at_a_time(pairs: bool) -> None:
     run = simulate(t, trace, cfg, progress=False)
     first = min(run.records, key=lambda r: r.first_token_s)  # type: ignore[arg-type,return-value]
     if pairs:  # the decode node has it at 50 ms, then the prefill node computes it alone
-        link = cfg.link.seconds(-(-499 // 16) * t.kv.bytes_per_block)
-        assert first.handoff_s == pytest.approx(0.05 + t.prefill.at(499, 0) + link)
+        nbytes, export, imported = handoff(t, 499)
+        assert t.prefill.at(499, 0) > 0.05  # the second prompt is there by its end
+        # its export goes with the second prompt's step; the decode node imports it alone
+        steps = 2 * t.prefill.at(499, 0) + export
+        want = 0.05 + steps + cfg.link.seconds(nbytes) + imported
+        assert first.handoff_s == pytest.approx(want)
     else:
         assert first.first_token_s == pytest.approx(0.05 + t.prefill.at(500, 0))
     later = [r for r in run.records if r is not first]

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cluster.router import Router
+from daemon.cluster.router import PrefillBalance, Router
 from daemon.sim.cluster import ClusterConfig, Simulation, simulate
+from daemon.sim.cost import handoff
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
 from daemon.sim.table import Bandwidth
-from daemon.sim.trace import read_trace
+from daemon.sim.trace import TraceRequest, read_trace
 from tests.sim_traces import BLOCK, conversations, table, write_trace
 
 MB = 2**20
@@ -39,7 +40,16 @@ def test_one_request_times_add_up(tmp_path: Path) -> None:
     assert rec.handoff_bytes == kv_bytes
     missed = t.store_read.seconds(1)  # the prefill node looked in the store first: a miss
     prefilled = missed + t.prefill.at(n - 1, 0)  # one chunk: the prompt less its last token
-    assert rec.handoff_s == pytest.approx(prefilled + 2e-3 + kv_bytes / 1e8, rel=1e-12)
+    # the export read out in the prefill node's next run (alone), the link, the import in the
+    # decode node's next run (alone): each at the table's host-copy bandwidth
+    export = t.host_save.seconds(kv_bytes)
+    imported = t.host_load.seconds(kv_bytes)
+    assert export > 0 and imported > 0
+    # the export's run also copies the prompt's full blocks out for the store, as the engine
+    # runs a step's cache ops with its transfers
+    export += t.host_save.seconds((n - 1) // BLOCK * t.kv.bytes_per_block)
+    want = prefilled + export + 2e-3 + kv_bytes / 1e8 + imported
+    assert rec.handoff_s == pytest.approx(want, rel=1e-12)
     first = rec.handoff_s + t.decode.at(1, n - 1)  # the last prompt token, sampled
     assert rec.first_token_s == pytest.approx(first, rel=1e-12)
     decode = run.nodes[1].counters
@@ -104,3 +114,57 @@ def test_a_prefill_node_sends_one_handoff_at_a_time(tmp_path: Path) -> None:
     one = link.seconds(-(-299 // BLOCK) * 2 * BLOCK * 2 * 16 * 4 * 2)
     # the second prompt is computed before the first one's KV is through: it waits its turn
     assert done[1] == pytest.approx(done[0] + one)
+
+
+def test_an_export_is_read_with_the_prefill_nodes_next_step() -> None:
+    """As the engine does (Engine._prefilled queues the export; the transfer settles when the
+    run that carried it is back): a prompt prefilled while another waits is sent only after
+    that other prompt's step, which its export rides with."""
+    t = table()
+    a, b = t.prefill.at(999, 0), t.prefill.at(1499, 0)
+    trace = [TraceRequest(0.0, 1000, 3, (1, 2)), TraceRequest(a / 2, 1500, 3, (3, 4, 5))]
+    link = Bandwidth(1e9, 1e-3)
+    cfg = ClusterConfig(0, NODE, 0.0, prefill=1, decode=1, link=link)
+    run = simulate(t, trace, cfg, progress=False)
+    first = run.records[0]
+    nbytes, export, imported = handoff(t, 999)
+    assert first.handoff_bytes == nbytes
+    # its step, then b's step with its export, the link, the import (the decode node idle)
+    want = a + b + export + link.seconds(nbytes) + imported
+    assert first.handoff_s == pytest.approx(want, rel=1e-12)
+
+
+def test_an_import_waits_for_the_decode_nodes_running_step() -> None:
+    """The KV reaching a decode node mid-step is imported with its next run: the request is
+    admitted a whole decode step (and the rest of the running one) after the KV came."""
+    t = table()
+    long = TraceRequest(0.0, 40, 400, (1,))  # decodes for seconds on the decode node
+    trace = [long, TraceRequest(0.5, 1000, 3, (2, 3))]
+    link = Bandwidth(1e9, 1e-3)
+    cfg = ClusterConfig(0, NODE, 0.0, prefill=1, decode=1, link=link)
+    run = simulate(t, trace, cfg, progress=False)
+    rec = run.records[1]
+    nbytes, export, _ = handoff(t, 999)
+    came = 0.5 + t.prefill.at(999, 0) + export + link.seconds(nbytes)  # the prefill node idle
+    assert run.records[0].finish_s > came + 1.0  # type: ignore[operator]
+    one_step = t.decode.at(1, 40)
+    assert rec.handoff_s > came + one_step  # type: ignore[operator]
+    assert rec.handoff_s < came + 3 * t.decode.at(1, 440)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("balance", "split"),
+    [(PrefillBalance(1.0, 0), True), (PrefillBalance(100.0, 100), False)],
+    ids=["load-first", "prefix-first"],
+)
+def test_the_prefill_balance_reaches_the_router(balance: PrefillBalance, split: bool) -> None:
+    """`--prefill-balance-rel / -abs`: the daemon's Router gets them. Every prompt shares its
+    first block (a system prompt): a strict bound spreads the prefills over both nodes, a loose
+    one sends them all to the node that was sent the prefix first."""
+    trace = [TraceRequest(0.0, 700, 2, (0, 10 + i)) for i in range(8)]
+    cfg = ClusterConfig(0, NODE, 0.0, prefill=2, decode=1, balance=balance)
+    sim = Simulation(table(), trace, cfg)
+    assert sim.pairs.router.balance is balance
+    sim.run()
+    used = {r.prefill_node for r in sim.result().records}
+    assert used == ({0, 1} if split else {0})

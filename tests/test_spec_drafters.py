@@ -162,6 +162,30 @@ def test_confidence_moves_with_observed_acceptance() -> None:
     assert d.stats.confidence(2, 2)[1] > prior[1]
 
 
+def test_a_requests_own_acceptance_moves_its_confidence() -> None:
+    """Two requests share the drafter's match statistics; one keeps repeating itself, the other
+    never does what its matches predict: the same match then gets different confidences."""
+    d = NgramDrafter(min_n=2, max_n=2)
+    phrase = list(range(100, 110))
+    copier = request(phrase + phrase[:3], rid="copier")
+    truth = (phrase * 30)[3:]
+    fresh = iter(range(1000, 5000))
+    deviating = request([1, 2, next(fresh)], rid="deviating")
+    lies = [t for _ in range(200) for t in (1, 2, next(fresh))]
+    for _ in range(40):
+        step(d, copier, truth, k=2)
+        step(d, deviating, lies, k=2)
+    while deviating.output_ids[-2:] != [1, 2]:  # where its last tokens match
+        step(d, deviating, lies, k=2)
+    shared = d.stats.confidence(2, 2)
+    good, bad = d.propose(copier, 2), d.propose(deviating, 2)
+    assert good.match_len == bad.match_len == 2
+    assert good.confidence[0] > shared[0] + 0.15
+    assert bad.confidence[0] < shared[0] - 0.4, (bad.confidence, shared)
+    # a request with no outcomes yet gets the shared estimate
+    assert d.propose(request([7, 8, 9, 7, 8], rid="new"), 2).confidence == shared
+
+
 def test_unverified_positions_are_decided_by_the_tokens() -> None:
     d = NgramDrafter(min_n=2, max_n=3)
     req = request([1, 2, 3, 4, 5, 6, 1, 2, 3])

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from daemon.loop.spec.base import Candidate
+from daemon.loop.spec.base import OVERLAP_MIN_SHARE, Candidate
 from daemon.loop.spec.calibration import Calibrator
 from daemon.loop.spec.cost import CostRow, CostTable
 from daemon.loop.spec.policy import AdaptivePolicy, FixedPolicy, build_policy
@@ -44,7 +44,8 @@ def rate(
 ) -> float:
     """The adaptive policy's objective, written out: expected tokens over the step's decode
     seconds (a decode step of its sequences plus what the drafts add, the chunk's time left
-    out); with `hold`, over this step and the next, which the non-verifying ones run alone."""
+    out); with `hold`, over this step and the next, which the non-verifying ones run alone
+    where they are at least OVERLAP_MIN_SHARE of the sequences (else no next step runs)."""
     drafts = sum(lengths)
     gain = num_seqs + sum(sum(s[:n]) for s, n in zip(survivals, lengths))
     verifying = sum(n > 0 for n in lengths)
@@ -52,7 +53,7 @@ def rate(
     decode = cost.seconds(num_seqs, num_seqs)
     seconds = decode + max(cost.seconds(num_tokens + drafts, num_seqs, drafts) - base, 0.0)
     seconds += rollback * verifying
-    if hold and 0 < verifying < num_seqs:
+    if hold and 0 < verifying < num_seqs and num_seqs - verifying >= OVERLAP_MIN_SHARE * num_seqs:
         others = num_seqs - verifying
         gain += others
         seconds += cost.seconds(others, others)

@@ -17,7 +17,7 @@ from daemon.build.images import RemoteEncoder, image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
 from daemon.build.mtp import state_bytes as mtp_state_bytes
-from daemon.build.paths import compile_cache_dir
+from daemon.build.paths import use_compile_cache_dir
 from daemon.build.speculation import (
     bounded_by_draft,
     build_speculator,
@@ -101,7 +101,7 @@ def build_engine(
         num_blocks = pool_sizes(groups, kv_memory, cfg.max_num_seqs)
     cpu_threads = _cpu_threads(cfg)
     # inductor's code (the compiled CPU forward) is kept with ours unless told otherwise
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    use_compile_cache_dir()
     overlap = resolve_overlap(cfg, device, cpu_threads)
     # before the runner: it takes the listener, and EP drops others' experts before the KV cache
     moe = moe_controller(cfg, model, device)

@@ -20,3 +20,14 @@ def compile_cache_dir() -> Path:
     """inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, where that is not set): a restart
     loads the compiled forward instead of compiling it again."""
     return cache_dir() / "inductor"
+
+
+def use_compile_cache_dir() -> None:
+    """Point inductor's caches at `compile_cache_dir()` unless TORCHINDUCTOR_CACHE_DIR names
+    another. Importing torch._dynamo sets it to torch's default (under /tmp) if unset, so that
+    value counts as unset: otherwise deepinfer's cache would never get inductor's code."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())

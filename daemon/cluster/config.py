@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from daemon.cluster.autoscale import Targets
+from daemon.cluster.router import PrefillBalance
 
 # a node id is a path segment (/cluster/v1/nodes/<id>) and an etcd key's last part
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -28,6 +29,9 @@ class ClusterConfig:
     node_id: str | None = None  # default: <role>-<hostname>-<port>
     lease_s: float = 6.0  # a node whose lease lapses leaves the set; heartbeats every lease/3
     handoff_timeout_s: float = 30.0  # a KV handoff not done by then is recomputed locally
+    # the router: a request on a node whose lease lapsed goes on while the node sends bytes or
+    # registers again; given up once the node has been gone this long with neither
+    lost_node_grace_s: float = 60.0
     # encoder nodes (`--role encoder`: a vision model's tower for others) that encode this
     # node's images, tried in turn; none: encoded here
     image_encoders: list[str] = field(default_factory=list)
@@ -40,6 +44,10 @@ class ClusterConfig:
         1.0  # a prefill node sends a block whose write is not done by then
     )
     role_drain_timeout_s: float = 60.0  # a live role change not drained by then is undone
+    # a router's prefill route: the node sent a prompt's prefix is preferred while its load is
+    # within this many times the least loaded prefill node's, or this many requests more
+    prefill_balance_rel: float = PrefillBalance.rel
+    prefill_balance_abs: int = PrefillBalance.abs
     # the router's P:D autoscaler (cluster/autoscale.py): off unless asked for
     autoscale: bool = False
     autoscale_window_s: float = 10.0  # the p99s are over this window; a decision each window
@@ -65,6 +73,11 @@ def autoscale_targets(cfg: ClusterConfig) -> Targets:
         node_dwell_s=cfg.autoscale_node_dwell_s,
         global_dwell_s=cfg.autoscale_global_dwell_s,
     )
+
+
+def prefill_balance(cfg: ClusterConfig) -> PrefillBalance:
+    """The router's prefill balance from the settings; ValueError names what is wrong."""
+    return PrefillBalance(cfg.prefill_balance_rel, cfg.prefill_balance_abs)
 
 
 def etcd_endpoint(discovery: str) -> tuple[str, int] | None:

@@ -1,5 +1,5 @@
-"""A node's image encoder on encoder nodes: `POST <encoder>/cluster/v1/encode` with the
-preprocessed images, the embeddings back; each encoder in turn until one answers in time. The
+"""A node's image encoder on encoder nodes: `POST <encoder>/cluster/v1/encode` with the images
+as sent (encoded bytes: the encoder node decodes and preprocesses them), the embeddings back; each encoder in turn until one answers in time. The
 encoders: those the settings name, then those registered with this node's registries."""
 
 from __future__ import annotations
@@ -12,9 +12,16 @@ import aiohttp
 import structlog
 import torch
 
-from daemon.cluster.image_wire import CONTENT_TYPE, ImagePayload, PayloadError, pack, unpack
+from daemon.cluster.image_wire import (
+    ENCODED_CONTENT_TYPE,
+    EncodedImages,
+    ImagePayload,
+    PayloadError,
+    pack_encoded,
+    unpack,
+)
 from daemon.cluster.registry_routes import NODES
-from daemon.loop.images import EncoderFailed, ImageEncoder
+from daemon.loop.images import EncoderFailed, ImageEncoder, ImageInput
 
 log = structlog.get_logger(__name__)
 
@@ -55,13 +62,17 @@ class HttpImageEncoder:
         self._registered: list[str] = []
         self._refresh_at = 0.0
 
-    async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
+    async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
         urls = await self._candidates()
         if not urls:
             if self.fallback is None:
                 raise EncoderFailed("no encoder node is known")
-            return await self.fallback.encode(pixel_values, digests)
-        body = pack(ImagePayload(pixel_values.float(), list(digests), self.fingerprint))
+            return await self.fallback.encode(images)
+        if not all(im.data for im in images):
+            raise EncoderFailed("an image has no bytes to send to an encoder node")
+        digests = [im.digest for im in images]
+        sent = EncodedImages([im.data for im in images], digests, self.fingerprint)
+        body = pack_encoded(sent)
         errors = []
         for url in urls:
             try:
@@ -110,7 +121,7 @@ class HttpImageEncoder:
         return [n["url"] for n in data if isinstance(n, dict) and isinstance(n.get("url"), str)]
 
     async def _post(self, url: str, body: bytes) -> ImagePayload:
-        headers = {"Content-Type": CONTENT_TYPE} | self.auth
+        headers = {"Content-Type": ENCODED_CONTENT_TYPE} | self.auth
         async with self._client().post(url + ENCODE_PATH, data=body, headers=headers) as r:
             if r.status != 200:
                 raise EncoderFailed(f"answered {r.status}: {(await r.text())[:200]}")

@@ -21,6 +21,8 @@ class PeerSet:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
+        # nodes whose lease lapsed (not those that left), and when: a starved node comes back
+        self._lapsed: dict[str, tuple[NodeInfo, float]] = {}
 
     def upsert(self, info: NodeInfo, ttl_s: float) -> None:
         """Registers (or replaces) a node; its lease runs `ttl_s` from now. A registration
@@ -32,6 +34,7 @@ class PeerSet:
         if old is not None and info.epoch < old.info.epoch:
             return
         self._entries[info.node_id] = _Entry(info, ttl_s, now + ttl_s)
+        self._lapsed.pop(info.node_id, None)
 
     def renew(self, node_id: str, load: dict[str, int]) -> bool:
         """A heartbeat: the lease runs its ttl again and the load is replaced. False when the
@@ -46,6 +49,16 @@ class PeerSet:
 
     def remove(self, node_id: str) -> None:
         self._entries.pop(node_id, None)
+        self._lapsed.pop(node_id, None)
+
+    def lapsed_since(self, within_s: float) -> list[NodeInfo]:
+        """The nodes whose lease lapsed within the last `within_s` and that have not
+        registered again (a node that left is not among them)."""
+        now = self._clock()
+        self._expire(now)
+        for node_id in [k for k, (_, t) in self._lapsed.items() if now - t > within_s]:
+            del self._lapsed[node_id]
+        return [info for info, _ in self._lapsed.values()]
 
     def live(self, role: Role | None = None, fingerprint: str | None = None) -> list[NodeInfo]:
         """The nodes whose lease holds, by node id; only `role` / `fingerprint` ones if given
@@ -72,10 +85,14 @@ class PeerSet:
     def _live_entry(self, node_id: str, now: float) -> _Entry | None:
         entry = self._entries.get(node_id)
         if entry is not None and entry.expires <= now:
-            del self._entries[node_id]
+            self._lapse(node_id, entry)
             return None
         return entry
 
     def _expire(self, now: float) -> None:
-        for node_id in [k for k, e in self._entries.items() if e.expires <= now]:
-            del self._entries[node_id]
+        for node_id, entry in [(k, e) for k, e in self._entries.items() if e.expires <= now]:
+            self._lapse(node_id, entry)
+
+    def _lapse(self, node_id: str, entry: _Entry) -> None:
+        del self._entries[node_id]
+        self._lapsed[node_id] = (entry.info, entry.expires)

@@ -24,6 +24,12 @@ class PrefillBalance:
     rel: float = 1.5
     abs: int = 4
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.rel < float("inf"):
+            raise ValueError(f"the relative bound must be a number >= 1, not {self.rel}")
+        if self.abs < 0:
+            raise ValueError(f"the absolute bound must be >= 0 requests, not {self.abs}")
+
     def within(self, load: int, least: int) -> bool:
         return load <= max(self.rel * least, least + self.abs)
 

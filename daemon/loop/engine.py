@@ -497,7 +497,7 @@ class Engine:
                     release_thread_team()  # this thread's, if anything here made one
                 step = None
                 if self.overlap or not inflight:
-                    step = self.scheduler.schedule()
+                    step = self.scheduler.schedule(overlapped=bool(inflight))
                     if step is not None and step.store_reads:
                         for read in step.store_reads:
                             self._start_load(read)

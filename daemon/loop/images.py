@@ -1,6 +1,6 @@
 """Image embeddings for a vision-language model: encoded once per content hash (a host-memory
-LRU within a byte budget, concurrent requests for one image share its encoding), by an encoder
-on this node's device or on an encoder node."""
+LRU within a byte budget, then the block store shared by the nodes; concurrent requests for one
+image share its encoding), by an encoder on this node's device or on an encoder node."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from typing import Protocol
 
 import torch
 
+from daemon.kv.block_store import BlockStore
 from daemon.models.base import VisionLanguageModel
+
+STORE_KEY_BYTES = 16  # a block store key's size (the embeddings' key, cut)
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class ImageInput:
     digest: bytes  # sha256 of the image's bytes
     pixel_values: torch.Tensor  # [3, H, W]
     start: int  # prompt position of its first placeholder token
+    data: bytes = b""  # the image as sent (encoded): what an encoder node is given
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,11 @@ class ImageSpan:
 
 
 class ImageEncoder(Protocol):
-    """Turns preprocessed images into their embeddings; raises EncoderFailed when it cannot."""
+    """Turns images into their embeddings; raises EncoderFailed when it cannot."""
 
-    async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
-        """[images, image_tokens, hidden] host embeddings of `pixel_values` [images, 3, H, W]
-        (`digests`: each image's content hash, for an encoder with a cache of its own)."""
+    async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
+        """[images, image_tokens, hidden] host embeddings of `images` (their pixels here; an
+        encoder node is sent their bytes and digests, and has a cache of its own)."""
         ...
 
     async def close(self) -> None: ...
@@ -62,8 +66,9 @@ class DeviceImageEncoder:
         self.model, self.device = model, device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vision")
 
-    async def encode(self, pixel_values: torch.Tensor, digests: Sequence[bytes]) -> torch.Tensor:
+    async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
         loop = asyncio.get_running_loop()
+        pixel_values = torch.stack([im.pixel_values for im in images])
         return await loop.run_in_executor(self._pool, self._run, pixel_values)
 
     def _run(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -82,9 +87,49 @@ class DeviceImageEncoder:
 class ImageStats:
     encoded: int = 0  # images the encoder encoded
     hits: int = 0  # images whose embeddings were cached (or being encoded already)
+    store_hits: int = 0  # host misses read from the block store instead of encoded
 
     def as_dict(self) -> dict[str, int]:
-        return {"images_encoded": self.encoded, "image_cache_hits": self.hits}
+        return {
+            "images_encoded": self.encoded,
+            "image_cache_hits": self.hits,
+            "image_store_hits": self.store_hits,
+        }
+
+
+@dataclass(frozen=True)
+class EmbeddingStore:
+    """Embeddings as files of the block store (a BlockStore of their own fingerprint and size:
+    one image's [image_tokens, hidden] float32), read on a host miss before encoding, written
+    after; a restarted node, or another node of the same model, finds them there."""
+
+    store: BlockStore
+    shape: tuple[int, int]  # [image_tokens, hidden]
+    traffic_class: str = "chat"
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * 4
+
+    async def read(self, keys: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """The embeddings of `keys` found (a miss, a bad file or a late read: left out)."""
+        chains = await asyncio.gather(*(self.store.load_chain([k[:STORE_KEY_BYTES]]) for k in keys))
+        return {
+            k: found[0].clone().view(torch.float32).reshape(self.shape)
+            for k, found in zip(keys, chains)
+            if found
+        }
+
+    def write(self, key: bytes, embeds: torch.Tensor) -> None:
+        """Queued on the store's writers; embeddings of another shape are not kept."""
+        if tuple(embeds.shape) != self.shape or embeds.dtype != torch.float32:
+            return
+        payload = embeds.contiguous().view(torch.uint8).reshape(-1)
+        self.store.submit_write(key[:STORE_KEY_BYTES], payload, self.traffic_class)
+
+    async def close(self) -> None:
+        await self.store.flush()
+        await asyncio.to_thread(self.store.close)
 
 
 @dataclass
@@ -94,6 +139,7 @@ class ImageEmbeddings:
     encoder: ImageEncoder
     fingerprint: bytes
     budget_bytes: int
+    store: EmbeddingStore | None = None
     stats: ImageStats = field(default_factory=ImageStats)
     _cache: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
     _bytes: int = 0
@@ -136,8 +182,12 @@ class ImageEmbeddings:
         futures = {k: loop.create_future() for k in todo}
         self._pending.update(futures)
         try:
-            pixels = torch.stack([im.pixel_values for im in todo.values()])
-            out = await self.encoder.encode(pixels, [im.digest for im in todo.values()])
+            stored = await self.store.read(list(todo)) if self.store is not None else {}
+            self.stats.store_hits += len(stored)
+            left = {k: im for k, im in todo.items() if k not in stored}
+            out: Sequence[torch.Tensor] = []
+            if left:
+                out = await self.encoder.encode(list(left.values()))
         except BaseException as e:  # cancelled too (the engine stopping): nobody waits on
             failed = e if isinstance(e, EncoderFailed) else EncoderFailed(str(e) or repr(e))
             for fut in futures.values():
@@ -149,10 +199,14 @@ class ImageEmbeddings:
         finally:
             for k in futures:
                 self._pending.pop(k, None)
-        self.stats.encoded += len(todo)
+        self.stats.encoded += len(left)
+        encoded = {k: embeds.contiguous() for k, embeds in zip(left, out)}
+        if self.store is not None:
+            for k, embeds in encoded.items():
+                self.store.write(k, embeds)
         result = {}
-        for k, embeds in zip(todo, out):
-            embeds = embeds.contiguous()
+        for k in todo:
+            embeds = stored[k] if k in stored else encoded[k]
             result[k] = embeds
             futures[k].set_result(embeds)
             self._put(k, embeds)
@@ -177,6 +231,8 @@ class ImageEmbeddings:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.encoder.close()
+        if self.store is not None:
+            await self.store.close()
 
 
 def _forget(tasks: set) -> Callable[[asyncio.Future], None]:

@@ -107,6 +107,11 @@ def _images(stats: dict) -> Iterator[Metric]:
         "Images whose embeddings were cached by content hash (or being encoded).",
         value=stats["image_cache_hits"],
     )
+    yield CounterMetricFamily(
+        "deepinfer:image_store_hits",
+        "Images whose embeddings were read from the block store (a host-memory miss).",
+        value=stats["image_store_hits"],
+    )
     yield GaugeMetricFamily(
         "deepinfer:image_cache_bytes",
         "Host memory held by cached image embeddings.",

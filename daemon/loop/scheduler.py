@@ -17,7 +17,7 @@ from daemon.kv.manager import KVManager
 from daemon.kv.prefix import PrefixCache
 from daemon.kv.tier_ops import RestoreOp
 from daemon.loop.request import FinishReason, Request, RequestStatus
-from daemon.loop.spec.base import Draft
+from daemon.loop.spec.base import OVERLAP_MIN_SHARE, Draft
 from daemon.loop.spec.device_drafter import DeviceDrafter
 from daemon.loop.spec.speculator import Speculator
 
@@ -107,7 +107,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def schedule(self) -> SchedulerStep | None:
+    def schedule(self, overlapped: bool = False) -> SchedulerStep | None:
+        """The next step; `overlapped`: one is in flight, and a thin step (`_thin`) waits for
+        it (None)."""
+        if overlapped and self._thin():
+            return None
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         scheduled_ids: set[str] = set()
@@ -121,11 +125,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if req.params.constraint is not None and req.num_inflight_steps > 0:
-                continue  # its grammar must see its last token before masking the next one
-            if req.verifying:
-                continue  # its length is known once its verify step is processed
-            if self._held_for_drafts(req):
+            if _waits_on_its_step(req) or self._held_for_drafts(req):
                 continue
             n = min(self._tokens_to_compute(req), budget)
             if n == 0:
@@ -202,21 +202,42 @@ class Scheduler:
             if n == 0:
                 self.kv.shrink(req.request_id, req.num_computed)
 
+    def _thin(self) -> bool:
+        """Speculating, with nothing waiting: fewer than OVERLAP_MIN_SHARE of the running
+        requests could run now."""
+        if self.speculator is None or self.waiting or not self.running:
+            return False
+        ready = sum(
+            1
+            for req in self.running
+            if req.status == RequestStatus.RUNNING
+            and not _waits_on_its_step(req)
+            and not (self._may_hold(req) and _takes_drafts(req.decodes_without_drafts))
+        )
+        return ready < OVERLAP_MIN_SHARE * len(self.running)
+
     def _held_for_drafts(self, req: Request) -> bool:
         """With overlap: a decode whose last token is still on the device cannot be drafted
         for; it is held back for a step (its token then known) while its drafts have been
         worth verifying, and once they have not, after PROBE_EVERY decodes without, twice as
         many, and so on (each hold costs it a step)."""
-        if self.speculator is None or req.num_known_tokens == req.seq_len:
-            return False  # nothing in flight that it waits on
-        if req.num_computed != req.seq_len - 1:
+        if not self._may_hold(req):
             return False
-        if req.params.max_tokens - req.num_sampled_scheduled < 2:
-            return False  # no draft could follow its next token
         if _takes_drafts(req.decodes_without_drafts):
             return True
         req.decodes_without_drafts += 1
         return False
+
+    def _may_hold(self, req: Request) -> bool:
+        """A speculating decode whose last token is still in flight, with a draft possible
+        after it."""
+        return (
+            self.speculator is not None
+            and req.num_known_tokens != req.seq_len
+            and req.num_computed == req.seq_len - 1
+            # else no draft could follow its next token
+            and req.params.max_tokens - req.num_sampled_scheduled >= 2
+        )
 
     @staticmethod
     def _may_speculate(seq: ScheduledSeq) -> bool:
@@ -362,6 +383,13 @@ class Scheduler:
         self._release(req, final=True)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _waits_on_its_step(req: Request) -> bool:
+    """A request that cannot join a step while its last one is in flight: its grammar must see
+    its last token before masking the next, or its length is known only once its verify step
+    is processed."""
+    return req.verifying or (req.params.constraint is not None and req.num_inflight_steps > 0)
 
 
 def _takes_drafts(decodes_without_drafts: int) -> bool:

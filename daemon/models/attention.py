@@ -232,16 +232,17 @@ def chunk_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    fused: bool | None = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """One prefill chunk: q [Hq, n, D] over k, v [Hkv, ctx, D], causal with the chunk at the
-    end of its context (`mask` [n, ctx], None where n == ctx). `fused` (default: on an
-    accelerator) gives SDPA what its flash / memory-efficient kernels take: KV heads repeated
-    for GQA, the causal mask as a lower-right bias (not a boolean tensor), 4-d tensors. On an
-    H200 the plain call ran the math kernel: an 8K-token prefill of a Llama-8B shape took
-    2.0 s, 0.28 s fused. The CPU keeps the plain call (no copies of K and V)."""
+    end of its context (`mask` [n, ctx], None where n == ctx). `fused` (the default) gives
+    SDPA what its flash / memory-efficient kernels take: KV heads repeated for GQA, the causal
+    mask as a lower-right bias (not a boolean tensor), 4-d tensors; the plain call (3-d, GQA
+    and a boolean mask) runs the math kernel, which materialises every score. On an H200 an
+    8K-token prefill of a Llama-8B shape took 2.0 s plain, 0.28 s fused; on 2 CPU cores a
+    2048-token chunk of SmolLM2's attention 251 ms plain, 40 ms fused (bf16)."""
     gqa = q.shape[0] != k.shape[0]
-    if not (q.device.type != "cpu" if fused is None else fused):
+    if not fused:
         causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa, **causal)
     if gqa:

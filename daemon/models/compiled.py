@@ -1,11 +1,14 @@
 """The CPU counterpart of the CUDA decode graphs: the dense decoder layer compiled by inductor
-(C++/OpenMP) once for all layers, dynamic in batch and KV width, its artifacts cached on disk;
-steps with prefill chunks through the layer's two halves around an eager attention."""
+(C++/OpenMP) once for all layers, dynamic in batch and KV width, saved whole on disk; steps
+with prefill chunks through the layer's two halves around an eager attention."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -14,6 +17,11 @@ from torch import nn
 from tqdm import tqdm
 
 from daemon.models.attention import AttentionBatch, PagedKVCache
+from daemon.models.compiled_artifacts import CompiledArtifacts, artifact_key, artifacts_root
+from kernels import cpu_build, paged_attention_cpu
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +57,16 @@ def _attention_out(layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.
     return layer.attention_out(x, o)
 
 
+@dataclass
+class _Graphs:
+    """The three compiled functions; each step checks the guards of its first layer's call
+    only (the other layers' inputs have its shapes), the rest run unchecked."""
+
+    layer: AOTCompiledFunction
+    attention_in: AOTCompiledFunction
+    attention_out: AOTCompiledFunction
+
+
 class CompiledDecode:
     """Decode-only steps through one compiled decoder layer that every layer calls with its own
     weights and KV (inductor's code takes them as inputs): one graph, dynamic in batch and KV
@@ -61,35 +79,50 @@ class CompiledDecode:
     Steps with prefill chunks (a Python list of varying length, which a graph cannot take)
     run each layer as two compiled halves, dynamic in the token count, around the eager
     paged attention: norms, projections, RoPE and the MLP in two calls instead of ~50 torch
-    ops a layer. A step of one token runs eagerly. Call from the device thread."""
+    ops a layer. A step of one token runs eagerly.
+
+    The graphs are compiled ahead by dynamo (`aot_compile`) and saved whole beside inductor's
+    caches (`compiled_artifacts`), so a restart loads them without tracing or compiling; a
+    saved graph that does not load or run is compiled again. A step whose inputs fail a
+    graph's guards runs eagerly (nothing compiles mid-serving). Call from the device thread."""
 
     def __init__(self, model: nn.Module, cache: PagedKVCache, max_batch: int) -> None:
         self.model, self.cache, self.max_batch = model, cache, max_batch
         self.block_size = cache.block_size
         self.max_width = -(-model.max_model_len // cache.block_size)
-        self.layer: Callable[..., torch.Tensor] = torch.compile(
-            _layer_step, dynamic=False, fullgraph=True
-        )
-        self.attention_in: Callable[..., tuple[torch.Tensor, ...]] = torch.compile(
-            _attention_in, dynamic=False, fullgraph=True
-        )
-        self.attention_out: Callable[..., torch.Tensor] = torch.compile(
-            _attention_out, dynamic=False, fullgraph=True
-        )
+        self.graphs: _Graphs | None = None  # made by warm_up
         self.failed = False  # the warm-up could not compile (no C++ compiler...): all eager
+        self.loaded = 0  # graphs the warm-up loaded from disk (the others it compiled)
+        self.misses = 0  # steps run eagerly because their inputs failed a graph's guards
+        self.artifacts: Path | None = None  # where the warm-up looked for saved graphs
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor | None:
         """The hidden states of the step's tokens; None where it runs eagerly: more sequences
-        than the engine runs, one token, or the warm-up could not compile."""
-        n = batch.num_decodes
-        if self.failed:
+        than the engine runs, one token, or no graphs (not warmed up, or could not compile)."""
+        graphs, n = self.graphs, batch.num_decodes
+        if graphs is None:
             return None
         if batch.prefills:
-            return self._run_mixed(input_ids, positions, batch)
+            return self._run_mixed(graphs, input_ids, positions, batch)
         if n == 0 or n != input_ids.shape[0] or n > self.max_batch:
             return None
+        x, positions, slots, tables, mask = self._decode_inputs(input_ids, positions, batch)
+        layers, kv = self.model.layers, self.cache.layers
+        first = (layers[0], x, positions, slots, tables, mask, *kv[0], self.block_size)
+        if not self._admits(graphs.layer, first):
+            return None
+        for layer, (k, v) in zip(layers, kv):
+            x = graphs.layer(layer, x, positions, slots, tables, mask, k, v, self.block_size)
+        return self.model.norm(x[:n])
+
+    def _decode_inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, ...]:
+        """(hidden, positions, slots, tables, mask) of a decode-only step, padded to at least
+        MIN_ROWS rows and MIN_WIDTH blocks."""
+        n = batch.num_decodes
         slots, tables, mask = batch.slot_mapping, batch.decode_tables, batch.decode_mask
         # plain tensors, as the host's others are: graphs are guarded on the dispatch keys
         with torch.inference_mode(False):
@@ -105,73 +138,155 @@ class CompiledDecode:
                 idle = torch.zeros_like(mask[:1]).expand(pad, -1, -1, -1).clone()
                 idle[..., 0] = True
                 mask = torch.cat([mask, idle])
-        model = self.model
-        x = model.embed_tokens(input_ids)
-        for t in (x, positions, slots, tables, mask):
-            torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(tables, 1)
-        torch._dynamo.mark_dynamic(mask, 3)
-        for layer, (k, v) in zip(model.layers, self.cache.layers):
-            x = self.layer(layer, x, positions, slots, tables, mask, k, v, self.block_size)
-        return model.norm(x[:n])
+        return self.model.embed_tokens(input_ids), positions, slots, tables, mask
 
     def _run_mixed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        graphs: _Graphs,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
     ) -> torch.Tensor | None:
         """The hidden states [T, hidden] of a step with prefill chunks; None for one token."""
         if input_ids.shape[0] < MIN_ROWS:
             return None
         model = self.model
         x = model.embed_tokens(input_ids)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
-        for layer, kv in zip(model.layers, self.cache.layers):
-            q, k, v = self.attention_in(layer, x, positions)
+        if not self._admits(graphs.attention_in, (model.layers[0], x, positions)):
+            return None
+        for i, (layer, kv) in enumerate(zip(model.layers, self.cache.layers)):
+            q, k, v = graphs.attention_in(layer, x, positions)
             o = layer.self_attn.attend(q, k, v, batch, kv)
-            torch._dynamo.mark_dynamic(o, 0)
-            x = self.attention_out(layer, x, o)
+            # an eager rerun writes layer 0's KV again, the same values to the same slots
+            if i == 0 and not self._admits(graphs.attention_out, (layer, x, o)):
+                return None
+            x = graphs.attention_out(layer, x, o)
         return model.norm(x)
 
-    def _warm_up_mixed(self) -> None:
-        """The two halves' graphs, on two tokens that touch no cache."""
-        device = self.cache.layers[0][0].device
-        positions = torch.zeros(MIN_ROWS, dtype=torch.long, device=device)  # plain, as the host's
-        with torch.inference_mode():
-            layer = self.model.layers[0]
-            x = self.model.embed_tokens(torch.zeros(MIN_ROWS, dtype=torch.long, device=device))
-            torch._dynamo.mark_dynamic(x, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-            q, _, _ = self.attention_in(layer, x, positions)
-            o = q.reshape(MIN_ROWS, -1).clone()
-            torch._dynamo.mark_dynamic(o, 0)
-            self.attention_out(layer, x, o)
+    def _admits(self, graph: AOTCompiledFunction, args: tuple[object, ...]) -> bool:
+        if graph.guard_check(*args):
+            return True
+        self.misses += 1
+        if self.misses == 1:  # then counted only: a shape of some step the tests did not make
+            log.warning("compiled_forward_guard_miss", shapes=[_shape(a) for a in args])
+        return False
 
     def warm_up(self) -> None:
-        """Compile the graph (or load it from the on-disk caches) on an idle batch that writes
-        only the scratch slot; logs how long that took."""
-        device = self.cache.layers[0][0].device
-        long = dict(dtype=torch.long, device=device)
+        """Load the graphs saved by an earlier start, or compile (and save) them, then run
+        them once on an idle batch that writes only the scratch slot; logs how long it took
+        and how many were loaded."""
         start = time.perf_counter()
-        mask = torch.zeros(1, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=device)
-        mask[..., 0] = True
-        slots = torch.full((1,), self.cache.scratch_slot, **long)
-        tables = torch.zeros(1, MIN_WIDTH, **long)
-        batch = AttentionBatch(slots, 1, tables, mask, [], self.block_size)
-        tokens, positions = torch.zeros(1, **long), torch.zeros(1, **long)
-        with tqdm(total=2, desc="compiling the forward", unit="graph", leave=False) as bar:
+        k = self.cache.layers[0][0]
+        store = CompiledArtifacts(
+            artifacts_root(),
+            artifact_key(
+                self.model.layers[0],
+                {
+                    "kv": [list(k.shape), str(k.dtype)],
+                    "block_size": self.block_size,
+                    "paged_kernel": paged_attention_cpu.ENABLED and cpu_build.available(),
+                },
+            ),
+        )
+        self.artifacts = store.dir
+        for reuse in (True, False):
             try:
-                with torch.inference_mode():  # as the runner's: its inputs made outside
-                    self.run(tokens, positions, batch)
-                bar.update()
-                self._warm_up_mixed()
-            except Exception as e:  # inductor's errors have no common base; serve eagerly
-                self.failed = True
-                log.warning("decode_forward_not_compiled", error=f"{type(e).__name__}: {e}"[:500])
+                self._make(store, reuse)
+                break
+            except Exception as e:  # inductor's errors have no common base
+                self.graphs, error = None, f"{type(e).__name__}: {e}"[:500]
+                if reuse and self.loaded:  # the saved ones may be why: compile them all again
+                    log.warning("compiled_artifacts_failed", path=str(store.dir), error=error)
+                    store.drop()
+                    continue
+                self.failed = True  # serve eagerly
+                store.drop()
+                log.warning("decode_forward_not_compiled", error=error)
                 return
-            bar.update()
         log.info(
             "decode_forward_compiled",
             batch=f"1..{self.max_batch}",
             kv_blocks=f"1..{self.max_width}",
+            loaded=self.loaded,
+            compiled=3 - self.loaded,
             seconds=round(time.perf_counter() - start, 2),
         )
+
+    def _make(self, store: CompiledArtifacts, reuse: bool) -> None:
+        """The three graphs (loaded where `reuse` and saved, else compiled), each run once.
+        Compiled on inputs whose dynamic dims are marked; checked and run on unmarked ones,
+        as serving's (a loaded graph refuses marked inputs)."""
+        self.loaded = self.misses = 0
+        layer, (k, v) = self.model.layers[0], self.cache.layers[0]
+        embed = self.model.embed_tokens
+
+        def get(name: str, fn: Callable[..., object], example: Callable[[bool], tuple]):
+            graph = store.load(name) if reuse else None
+            if graph is None:
+                graph = store.compile(name, fn, example(True))
+            else:
+                self.loaded += 1
+            graph.disable_guard_check()  # each step checks its first call's (_admits)
+            args = example(False)
+            if not graph.guard_check(*args):
+                raise RuntimeError(f"the compiled graph {name} refuses the warm-up's inputs")
+            bar.update()
+            return graph, args
+
+        def decode(marked: bool) -> tuple:
+            x, *rest = self._decode_inputs(*self._idle_decode())
+            if marked:
+                for t in (x, *rest):
+                    torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(rest[2], 1)  # tables' width
+                torch._dynamo.mark_dynamic(rest[3], 3)  # the mask's
+            return (layer, x, *rest, k, v, self.block_size)
+
+        def halves_in(marked: bool) -> tuple:
+            with torch.inference_mode(False):
+                positions = torch.zeros(MIN_ROWS, dtype=torch.long, device=k.device)
+            x = embed(torch.zeros_like(positions))
+            if marked:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
+            return (layer, x, positions)
+
+        def halves_out(marked: bool) -> tuple:
+            _, x, positions = halves_in(False)
+            q, _, _ = attention_in(layer, x, positions)
+            o = q.reshape(MIN_ROWS, -1).clone()
+            if marked:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(o, 0)
+            return (layer, x, o)
+
+        with (
+            tqdm(total=3, desc="compiling the forward", unit="graph", leave=False) as bar,
+            torch.inference_mode(),  # as the runner's steps: their inputs made outside
+        ):
+            layer_step, _ = get("decode_layer", _layer_step, decode)
+            attention_in, _ = get("attention_in", _attention_in, halves_in)
+            attention_out, args = get("attention_out", _attention_out, halves_out)
+            attention_out(*args)
+            self.graphs = _Graphs(layer_step, attention_in, attention_out)
+            if self.run(*self._idle_decode()) is None:  # the idle batch through all layers
+                raise RuntimeError("the compiled decode graph refuses the idle batch")
+
+    def _idle_decode(self) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """(tokens, positions, batch) of one idle decode that writes only the scratch slot,
+        made outside inference mode, as the host's."""
+        device = self.cache.layers[0][0].device
+        long = dict(dtype=torch.long, device=device)
+        with torch.inference_mode(False):
+            mask = torch.zeros(
+                1, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=device
+            )
+            mask[..., 0] = True
+            slots = torch.full((1,), self.cache.scratch_slot, **long)
+            tables = torch.zeros(1, MIN_WIDTH, **long)
+            batch = AttentionBatch(slots, 1, tables, mask, [], self.block_size)
+            return torch.zeros(1, **long), torch.zeros(1, **long), batch
+
+
+def _shape(a: object) -> object:
+    return list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__

@@ -24,7 +24,7 @@ from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
 from daemon.cluster.announce import Announcer, Load
 from daemon.cluster.autoscale import Autoscaler
-from daemon.cluster.config import advertise_url, autoscale_targets
+from daemon.cluster.config import advertise_url, autoscale_targets, prefill_balance
 from daemon.cluster.discovery import announcer, peer_feed, registers
 from daemon.cluster.live_role import RoleChanger
 from daemon.cluster.peers import PeerSet
@@ -192,11 +192,12 @@ async def serve_router(settings: Settings) -> int:
     logs.add_secret(server_cfg.admin_token)
     peers = PeerSet()
     state = RouterState(
-        Router(peers),
+        Router(peers, balance=prefill_balance(cluster)),
         url=advertise_url(cluster, server_cfg.host, port),
         lease_ms=int(cluster.handoff_timeout_s * 1000),
         created=int(time.time()),
         api_key=server_cfg.api_key,
+        lost_grace_s=cluster.lost_node_grace_s,
         slo=SloWindow(cluster.autoscale_window_s),
     )
     app = create_router_app(

@@ -13,6 +13,7 @@ from daemon.api.codecs.recipe.codec import THINKING_DEFAULTS
 from daemon.api.http.config import ServerConfig
 from daemon.build.config import DEMOS, DEVICES, DTYPES, EngineConfig
 from daemon.build.paths import default_store_dir
+from daemon.cluster.balance_flags import add_prefill_balance_flags
 from daemon.cluster.config import ClusterConfig
 from daemon.cluster.node import ROLES
 from daemon.kv.swa_policy import POLICIES
@@ -180,6 +181,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         f"(default {_default(ClusterConfig, 'lease_s')})",
     )
     c.add_argument(
+        "--lost-node-grace-s",
+        type=float,
+        default=S,
+        help="the router: a request on a node whose lease lapsed goes on while the node sends "
+        "bytes or registers again, and is given up once it has been gone this long with neither "
+        f"(default {_default(ClusterConfig, 'lost_node_grace_s')})",
+    )
+    c.add_argument(
         "--handoff-timeout-s",
         type=float,
         default=S,
@@ -216,6 +225,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
         help="a live role change (admin set-role) not drained by then is undone (default "
         f"{_default(ClusterConfig, 'role_drain_timeout_s')})",
     )
+    add_prefill_balance_flags(c, absent=True)
     add_autoscale_flags(p)
 
 

@@ -297,12 +297,18 @@ def _check_cluster(c: ClusterConfig, sv: ServerConfig) -> None:
         raise ConfigError("cluster.lease_s", "must be at least 1 (seconds)")
     if c.handoff_timeout_s <= 0:
         raise ConfigError("cluster.handoff_timeout_s", "must be positive")
+    if c.lost_node_grace_s < 0:
+        raise ConfigError("cluster.lost_node_grace_s", "must not be negative")
     if c.handoff_min_tokens < 2:
         raise ConfigError("cluster.handoff_min_tokens", "must be at least 2 (tokens)")
     if not 0 <= c.handoff_store_wait_s <= 60:
         raise ConfigError("cluster.handoff_store_wait_s", "must be in [0, 60] (seconds)")
     if c.role_drain_timeout_s <= 0:
         raise ConfigError("cluster.role_drain_timeout_s", "must be positive")
+    if not 1 <= c.prefill_balance_rel < float("inf"):
+        raise ConfigError("cluster.prefill_balance_rel", "must be a number >= 1")
+    if c.prefill_balance_abs < 0:
+        raise ConfigError("cluster.prefill_balance_abs", "must be >= 0 (requests)")
     _check_autoscale(c, sv)
     for url in c.image_encoders:
         try:

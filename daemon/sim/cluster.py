@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from daemon.cluster.node import Role
+from daemon.cluster.router import PrefillBalance
 from daemon.kv.request_state import PrefixState
 from daemon.loop.request import Request, SamplingParams
-from daemon.sim.node import NodeConfig, Running, SimNode
+from daemon.sim.cost import handoff
+from daemon.sim.node import NodeConfig, Running, SimNode, Transfer
 from daemon.sim.router import PairRouter, route
 from daemon.sim.store import SimStore
 from daemon.sim.table import Bandwidth, CostTable
@@ -49,6 +51,8 @@ class ClusterConfig:
     # the engine's overlap (`serve --overlap`): a node schedules its next step while one runs,
     # so what arrives during a step waits for the one after the next
     overlap: bool = False
+    # the router's prefill route for pairs: prefix holder preferred within these load bounds
+    balance: PrefillBalance = field(default_factory=PrefillBalance)
 
     @property
     def total_nodes(self) -> int:
@@ -78,7 +82,7 @@ class RequestRecord:
     rejected: bool = False
     prefill_node: int | None = None  # a prefill / decode pair's prefill node
     handoff_bytes: int = 0
-    handoff_s: float | None = None  # when its KV reached the decode node
+    handoff_s: float | None = None  # when its KV was imported on the decode node
 
 
 @dataclass
@@ -192,7 +196,7 @@ class Simulation:
         # a decode node's jobs in prefill, by prefill node
         self.prefilling: list[Counter[int]] = [Counter() for _ in self.nodes]
         self.jobs: dict[str, Job] = {}
-        self.pairs = PairRouter(lambda: self.now)
+        self.pairs = PairRouter(lambda: self.now, cfg.balance)
         self.loading = 0
         self.now = 0.0
         self.next_sample = 0.0
@@ -240,9 +244,9 @@ class Simulation:
                 job = what
                 assert isinstance(job, Job)
                 self.pending[job.node.index].remove(self.now)
-                job.rec.handoff_s = self.now
-                job.req.num_computed = job.req.num_prompt_tokens - 1  # as Handoffs._import
-                job.node.scheduler.add(job.req)
+                # the decode node imports it with its next run (Handoffs._import)
+                _, _, seconds = handoff(self.table, job.req.num_prompt_tokens - 1)
+                job.node.transfers.append(Transfer("import", job, seconds))
                 self._kick(job.node)
             else:
                 self._step_done(what)  # type: ignore[arg-type]
@@ -333,9 +337,7 @@ class Simulation:
             self._enqueue(job.prefill_node, job.prefill)
 
     def _step_done(self, node: SimNode) -> None:
-        outputs = node.finish_step()
-        if node.running is not None:  # the step queued under overlap runs now
-            self._launched(node, node.running, self.now)
+        outputs, transfers = node.finish_step()
         for req, done in outputs:
             job = self.jobs[req.request_id]
             if req is job.prefill:
@@ -358,6 +360,16 @@ class Simulation:
                     self.pairs.done(node)
                 del self.jobs[req.request_id]
                 self._finished()
+        for t in transfers:
+            assert isinstance(t.job, Job)
+            if t.kind == "export":
+                self._send(t.job)
+            else:
+                self._imported(t.job)
+        # the step queued under overlap runs now; the one after it is scheduled once this
+        # step's outputs are taken (its exports go with that one), as the engine does
+        if node.running is not None:
+            self._launched(node, node.running, self.now)
         if self.reserving[node.index]:
             self._reserve(node)
         self._kick(node)
@@ -377,22 +389,34 @@ class Simulation:
             self.missed = what
 
     def _prefilled(self, job: Job) -> None:
-        """The prefill part computed its prompt (its one sample unused): its KV to the decode
-        node over the link, whole blocks of the model's layout."""
+        """The prefill part computed its prompt (its one sample unused): its KV is read out
+        with the prefill node's next run (Engine._prefilled queues the export; it is back
+        when that whole run is), whole blocks of the model's layout."""
         assert job.prefill is not None and job.prefill_node is not None
         del self.jobs[job.prefill.request_id]
         job.rec.cached_by_tier = dict(job.prefill.cache.tokens_by_tier)
+        nbytes, seconds, _ = handoff(self.table, job.req.num_prompt_tokens - 1)
+        job.rec.handoff_bytes = nbytes
+        job.prefill_node.transfers.append(Transfer("export", job, seconds))
+
+    def _send(self, job: Job) -> None:
+        """The export is read: to the decode node over the link. A prefill node sends its
+        handoffs one at a time, each its latency (the HTTP legs) and its bytes at the
+        link's bandwidth."""
+        assert job.prefill_node is not None
         self.prefilling[job.node.index][job.prefill_node.index] -= 1
-        g = self.table.kv
-        blocks = -(-(job.req.num_prompt_tokens - 1) // g.block_size)
-        job.rec.handoff_bytes = blocks * g.bytes_per_block
-        # a prefill node sends its handoffs one at a time: each its latency (the HTTP legs)
-        # and its bytes at the link's bandwidth
         p = job.prefill_node.index
         end = max(self.now, self.link_free[p]) + self.cfg.link.seconds(job.rec.handoff_bytes)
         self.link_free[p] = end
         self._push(end, HANDOFF, job)
         self.pending[job.node.index].append(end)
+
+    def _imported(self, job: Job) -> None:
+        """The decode node's run that imported the KV is done: the request waits for
+        admission with the prompt less its last token computed."""
+        job.rec.handoff_s = self.now
+        job.req.num_computed = job.req.num_prompt_tokens - 1  # as Handoffs._import
+        job.node.scheduler.add(job.req)
 
     # ---- nodes ------------------------------------------------------------------------------
 

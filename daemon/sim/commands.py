@@ -14,6 +14,8 @@ import orjson
 import structlog
 
 from daemon.build.config import EngineConfig
+from daemon.cluster.balance_flags import add_prefill_balance_flags
+from daemon.cluster.router import PrefillBalance
 from daemon.sim.router import POLICIES
 from daemon.sim.table import Bandwidth, CostTable, TableError
 from daemon.sim.trace import TraceError, TraceRequest, read_trace
@@ -40,6 +42,12 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
         ("--prefill-context", "positions computed before a chunk, e.g. 0,4096"),
         ("--decode-seqs", "decode batch sizes, e.g. 1,8,32"),
         ("--decode-context", "each decode's context, e.g. 256,2048"),
+        (
+            "--prefill-batch",
+            "chunks per step, 1 and more, e.g. 1,8: steps of that many chunks of each "
+            "--prefill-tokens size that fits (a step's once-paid part and each chunk's own; "
+            "default 1,4)",
+        ),
     ):
         g.add_argument(flag, type=_counts, default=None, help=help_)
     g.add_argument(
@@ -56,7 +64,7 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
     from daemon.sim.profile import QUICK, ProfileError, ProfileGrid, profile
 
     grid = QUICK if args.quick else ProfileGrid()
-    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context")
+    axes = ("prefill_tokens", "prefill_context", "decode_seqs", "decode_context", "prefill_batch")
     grid = dataclasses.replace(
         grid, **{a: tuple(getattr(args, a)) for a in axes if getattr(args, a) is not None}
     )
@@ -64,6 +72,11 @@ def run_profile(args: argparse.Namespace, engine_cfg: EngineConfig) -> int:
         grid = dataclasses.replace(grid, point_seconds=args.point_seconds)
     if min(grid.prefill_tokens[0], grid.decode_seqs[0]) < 1:
         print("deepinfer profile: --prefill-tokens and --decode-seqs must be >= 1", file=sys.stderr)
+        return 2
+    if args.prefill_batch is not None and (
+        len(args.prefill_batch) < 2 or args.prefill_batch[0] != 1
+    ):
+        print("deepinfer profile: --prefill-batch must be 1 and more, e.g. 1,8", file=sys.stderr)
         return 2
     cfg = dataclasses.replace(
         engine_cfg,
@@ -149,6 +162,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="nodes schedule a step while the last one runs (the engine's overlap)",
     )
+    add_prefill_balance_flags(p)
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -235,6 +249,7 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.max_concurrency,
         args.request_ms / 1e3,
         args.overlap,
+        PrefillBalance(args.prefill_balance_rel, args.prefill_balance_abs),
     )
 
 
@@ -358,4 +373,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-concurrency must be >= 0 (0: no bound)"
     if not args.time_scale > 0 or math.isinf(args.time_scale):
         return "--time-scale must be a positive number"
+    try:
+        PrefillBalance(args.prefill_balance_rel, args.prefill_balance_abs)
+    except ValueError as e:
+        return f"--prefill-balance-rel / --prefill-balance-abs: {e}"
     return None

@@ -5,7 +5,8 @@ decode) is a field the cluster reads per request, so it may change during a run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -35,12 +36,25 @@ class NodeConfig:
 
 
 @dataclass
+class Transfer:
+    """A KV handoff's copy on a node's device thread: the prefill node's export (device to
+    host) or the decode node's import. As the engine does (loop/transfer.py), it runs with the
+    node's next run, before that run's forward, and is done only when the whole run ends."""
+
+    kind: Literal["export", "import"]
+    job: object  # the cluster's, given back when the run ends
+    seconds: float
+
+
+@dataclass
 class Running:
-    """A step on the node's device: what ends at `end_s`."""
+    """A step on the node's device (or its cache ops and transfers alone): what ends at
+    `end_s`."""
 
     step: SchedulerStep | None
     ops: CacheOps
     end_s: float
+    transfers: list[Transfer] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +101,7 @@ class SimNode:
         self.running: Running | None = None
         # with overlap: the step scheduled while `running` runs, to start when it ends
         self.queued: Running | None = None
+        self.transfers: list[Transfer] = []  # for the next run
         self.unfinished = 0  # requests routed here and not finished
         self.counters = NodeCounters()
 
@@ -127,13 +142,15 @@ class SimNode:
         if step is not None and not step.seqs:
             step = None
         ops = self.prefix.take_ops()
-        if step is None and not ops:
+        transfers, self.transfers = self.transfers, []
+        if step is None and not ops and not transfers:
             return None, reads
         saves, loads = len(ops.block_saves), len(ops.block_loads)
         for save in ops.block_saves:  # the device worker's copy to host memory
             save.entry.payload = self._payload
         seconds = self.table.host_save.seconds(saves * self.block_bytes)
         seconds += self.table.host_load.seconds(loads * self.block_bytes)
+        seconds += sum(t.seconds for t in transfers)
         c = self.counters
         c.host_bytes_saved += saves * self.block_bytes
         c.host_bytes_loaded += loads * self.block_bytes
@@ -147,17 +164,17 @@ class SimNode:
                     c.prefill_tokens += s.num_tokens
         seconds = max(seconds, MIN_STEP_S)
         c.busy_s += seconds
-        return Running(step, ops, start + seconds), reads
+        return Running(step, ops, start + seconds, transfers), reads
 
-    def finish_step(self) -> list[tuple[Request, bool]]:
-        """The running step is done: its tokens, as (request, finished) for each sample; the
-        queued step (overlap) runs now."""
+    def finish_step(self) -> tuple[list[tuple[Request, bool]], list[Transfer]]:
+        """The running step is done: its tokens, as (request, finished) for each sample, and
+        the transfers it carried; the queued step (overlap) runs now."""
         running, self.running, self.queued = self.running, self.queued, None
         assert running is not None
         self.prefix.completed(running.ops)
         out: list[tuple[Request, bool]] = []
         if running.step is None:
-            return out
+            return out, running.transfers
         for seq in running.step.seqs:
             req = seq.request
             req.num_inflight_steps -= 1
@@ -170,7 +187,7 @@ class SimNode:
                 self.unfinished -= 1
             out.append((req, done))
         self.counters.preemptions = self.scheduler.num_preemptions
-        return out
+        return out, running.transfers
 
     # ---- decode runs between events ----------------------------------------------------------
 
@@ -182,6 +199,8 @@ class SimNode:
         if self.running is not None or sched.waiting or not sched.running:
             return 0
         if sched.speculator is not None or self.prefix.swa is not None or self.queue.ops:
+            return 0
+        if self.transfers:
             return 0
         if len(sched.running) > sched.max_num_batched_tokens:
             return 0

@@ -210,7 +210,7 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
             kick(n)
         elif kind == STEP_DONE:
             assert isinstance(what, int)
-            for req, done in c.nodes[what].finish_step():
+            for req, done in c.nodes[what].finish_step()[0]:
                 _, rec, decode = legs[req.request_id]
                 if decode and rec.first_token_s is None:
                     rec.first_token_s = now

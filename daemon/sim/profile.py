@@ -44,6 +44,9 @@ class ProfileGrid:
     prefill_context: tuple[int, ...] = (0, 4096)
     decode_seqs: tuple[int, ...] = (1, 8, 32)
     decode_context: tuple[int, ...] = (256, 2048)
+    # steps of k chunks of each prefill_tokens size (at context 0, those that fit the step's
+    # token budget): a step's once-paid part and each chunk's own; empty: not measured
+    prefill_batch: tuple[int, ...] = (1, 4)
     copy_blocks: int = 32  # blocks per host-copy and store measurement
     repeats: int = 3
     # a point's first run is a warm-up (new shapes: kernel selection, first-touched KV pages)
@@ -54,10 +57,16 @@ class ProfileGrid:
         """Positions the grid's largest steps hold at once."""
         decode = max(self.decode_seqs) * (max(self.decode_context) + 1)
         prefill = max(self.prefill_tokens) + max(self.prefill_context)
-        return max(decode, prefill, self.copy_blocks * 512)
+        batch = max(self.prefill_batch, default=1) * max(self.prefill_tokens)
+        return max(decode, prefill, batch, self.copy_blocks * 512)
+
+    def batch_tokens(self, budget: int) -> tuple[int, ...]:
+        """The chunk sizes whose steps of max(prefill_batch) chunks fit `budget` tokens."""
+        k = max(self.prefill_batch, default=0)
+        return tuple(n for n in self.prefill_tokens if n * k <= budget) if k > 1 else ()
 
 
-QUICK = ProfileGrid((8, 32), (0, 32), (1, 4), (16, 64), 4, 1, 0.05)
+QUICK = ProfileGrid((8, 32), (0, 32), (1, 4), (16, 64), (1, 2), 4, 1, 0.05)
 
 
 def geometry(kv: KVManager) -> KVGeometry:
@@ -82,6 +91,18 @@ def profile(engine: Engine, model: str, grid: ProfileGrid, progress: bool = True
     load = os.getloadavg()[0]
     points = [("prefill", n, c) for n in grid.prefill_tokens for c in grid.prefill_context]
     points += [("decode", s, c) for s in grid.decode_seqs for c in grid.decode_context]
+    budget = engine.scheduler.max_num_batched_tokens
+    batch_rows = grid.batch_tokens(budget)
+    if grid.prefill_batch and len(grid.prefill_batch) > 1 and not batch_rows:
+        raise ProfileError(
+            f"no step of {max(grid.prefill_batch)} chunks of --prefill-tokens fits "
+            f"--max-num-batched-tokens {budget}"
+        )
+    # one chunk at context 0 is a prefill point already: the same measurement
+    reused = 0 in grid.prefill_context
+    points += [
+        ("batch", n, k) for n in batch_rows for k in grid.prefill_batch if k > 1 or not reused
+    ]
     bar = tqdm(total=len(points) + 2, desc="profiling", unit="point", disable=not progress)
     previous_threads = torch.get_num_threads()
     if runner.cpu_threads:
@@ -100,6 +121,9 @@ def profile(engine: Engine, model: str, grid: ProfileGrid, progress: bool = True
         torch.set_num_threads(previous_threads)
     prefill = _grid(measured, "prefill", grid.prefill_tokens, grid.prefill_context)
     decode = _grid(measured, "decode", grid.decode_seqs, grid.decode_context)
+    if reused:
+        measured.update({("batch", n, 1): measured["prefill", n, 0] for n in batch_rows})
+    batch = _grid(measured, "batch", batch_rows, grid.prefill_batch) if batch_rows else None
     table = CostTable(
         _provenance(runner, model, geo.dtype, load),
         geo,
@@ -111,6 +135,7 @@ def profile(engine: Engine, model: str, grid: ProfileGrid, progress: bool = True
         store_write,
         engine.scheduler.max_num_batched_tokens,
         engine.scheduler.max_num_seqs,
+        prefill_batch=batch,
     )
     log.info("sim_profile", points=len(points), model=model)
     return table
@@ -119,9 +144,12 @@ def profile(engine: Engine, model: str, grid: ProfileGrid, progress: bool = True
 def _point(
     runner: ModelRunner, kv: KVManager, kind: str, n: int, context: int, grid: ProfileGrid
 ) -> float:
-    """One step's median seconds: one chunk of `n` tokens after `context` positions, or `n`
-    decodes after `context` positions each."""
-    counts = [(context, n)] if kind == "prefill" else [(context, 1)] * n
+    """One step's median seconds: one chunk of `n` tokens after `context` positions, `n`
+    decodes after `context` positions each, or (batch) `context` chunks of `n` tokens each."""
+    if kind == "batch":
+        counts = [(0, n)] * context
+    else:
+        counts = [(context, n)] if kind == "prefill" else [(context, 1)] * n
     reqs, seqs = [], []
     try:
         for i, (start, tokens) in enumerate(counts):

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from daemon.cluster.node import NodeInfo
 from daemon.cluster.peers import PeerSet
-from daemon.cluster.router import Router
+from daemon.cluster.router import PrefillBalance, Router
 
 POLICIES = ("least-loaded", "prefix-affinity")
 MODEL = FINGERPRINT = "sim"  # every simulated node serves one model
@@ -44,9 +44,9 @@ class PairRouter:
     read as each request arrives, as the router reads its peers' heartbeats (a role may change
     during a run)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], balance: PrefillBalance | None = None) -> None:
         self.peers = PeerSet(clock)
-        self.router = Router(self.peers)
+        self.router = Router(self.peers, balance=balance)
 
     def pick(self, nodes: Sequence[RoutedNode], keys: list[bytes]) -> tuple[int, int, int] | None:
         """(decode node, prefill node, prefix blocks the router matched), by index in `nodes`;

@@ -1,6 +1,6 @@
 """The cost table `deepinfer profile` measures and `deepinfer simulate` reads: step seconds by
-prefill chunk and context, by decode batch and context, the host copies' and the block store's
-bandwidth, the KV geometry, and where / when / on what it was measured."""
+prefill chunk and context, by chunks per step, by decode batch and context, the host copies'
+and the block store's bandwidth, the KV geometry, and where / when / on what it was measured."""
 
 from __future__ import annotations
 
@@ -116,6 +116,9 @@ class CostTable:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     extra: dict[str, object] = field(default_factory=dict)
+    # rows: tokens of each chunk; columns: chunks in one step (1 and more), at context 0;
+    # None: not measured (a step's once-paid part is then guessed, see cost.StepCost)
+    prefill_batch: Grid | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps({"format": FORMAT} | asdict(self), option=orjson.OPT_INDENT_2)
@@ -140,6 +143,7 @@ class CostTable:
                 d.get("max_num_batched_tokens", 2048),
                 d.get("max_num_seqs", 128),
                 d.get("extra", {}),
+                _batch(d.get("prefill_batch")),
             )
         except (KeyError, TypeError) as e:
             raise TableError(f"a cost table field is missing or wrong: {e}") from e
@@ -153,3 +157,13 @@ class CostTable:
         if not isinstance(data, dict):
             raise TableError(f"{path}: not a cost table")
         return cls.from_dict(data)
+
+
+def _batch(d: dict | None) -> Grid | None:
+    """The steps of several chunks, if measured: at least two columns, the first one chunk."""
+    if d is None:
+        return None
+    grid = Grid(**d)
+    if len(grid.columns) < 2 or grid.columns[0] != 1:
+        raise TableError("prefill_batch columns must be 1 and more chunks per step")
+    return grid

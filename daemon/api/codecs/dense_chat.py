@@ -15,7 +15,12 @@ from daemon.api.codecs.completions_request import MAX_N
 from daemon.api.codecs.constraints import Constraints, Grammar
 from daemon.api.codecs.dense_chat_answer import DenseChatAnswer
 from daemon.api.codecs.dense_tools import ToolRequest, tool_request
-from daemon.api.codecs.images import ImageReader, chat_image_refs, expand_placeholders
+from daemon.api.codecs.images import (
+    ImageReader,
+    ImageRef,
+    chat_image_refs,
+    expand_placeholders,
+)
 from daemon.api.codecs.jobs import sample_jobs
 from daemon.api.codecs.params import get_bool, get_int, get_object, sampling_params
 from daemon.loop.images import ImageInput
@@ -90,17 +95,29 @@ class DenseChatCodec:
     async def _prompt(
         self, body: JsonObject, tools: ToolRequest
     ) -> tuple[list[int], list[ImageInput]]:
-        """The prompt's ids and its images (read and preprocessed), both off the event loop
-        (rendering and tokenizing a long conversation takes a while too)."""
-        refs = chat_image_refs(body)
+        return await self.prompt(body, tools, chat_image_refs(body))
+
+    @property
+    def image_text(self) -> str | None:
+        """How an image is written in the template's text (the model's image token); None:
+        the model takes no images."""
+        if self.images is None:
+            return None
+        return self.template.tokenizer.token_text(self.images.image_token_id)
+
+    async def prompt(
+        self, body: JsonObject, tools: ToolRequest, refs: list[ImageRef]
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids and its images `refs` (read and preprocessed), both off the event
+        loop (rendering and tokenizing a long conversation takes a while too). The messages'
+        text holds one image token per image (image_url parts are rendered as one)."""
         reader = self.images
         if reader is None:
             if refs:
                 raise CodecError("this model does not take images", refs[0].param)
             return await asyncio.to_thread(self.template.encode, body, tools), []
         reader.check_count(refs)
-        spelling = self.template.tokenizer.token_text(reader.image_token_id)
-        ids = await asyncio.to_thread(self.template.encode, body, tools, spelling)
+        ids = await asyncio.to_thread(self.template.encode, body, tools, self.image_text or "")
         ids, starts = expand_placeholders(
             ids, reader.image_token_id, reader.image_tokens, len(refs)
         )
@@ -115,4 +132,4 @@ class DenseChatCodec:
                 f"the images could not be read within {reader.limits.fetch_timeout_s} s",
                 refs[0].param,
             ) from None
-        return ids, [ImageInput(r.digest, r.pixel_values, s) for r, s in zip(read, starts)]
+        return ids, [ImageInput(r.digest, r.pixel_values, s, r.data) for r, s in zip(read, starts)]

@@ -40,6 +40,7 @@ class ImageRef:
 class ReadImage:
     digest: bytes  # sha256 of the image's bytes
     pixel_values: torch.Tensor  # [3, H, W]
+    data: bytes  # the image's bytes
 
 
 class ImageReader:
@@ -92,8 +93,19 @@ class ImageReader:
                 raise CodecError(
                     f"the request's images exceed {self.limits.max_total_bytes} bytes", ref.param
                 )
-            out.append(ReadImage(hashlib.sha256(data).digest(), self._pixels(data, ref)))
+            out.append(ReadImage(hashlib.sha256(data).digest(), self._pixels(data, ref), data))
         return out
+
+    def pixels(self, data: bytes, param: str) -> torch.Tensor:
+        """An image's bytes (as an encoder node is sent them) held to the per-image limits,
+        decoded and preprocessed; CodecError names `param`."""
+        ref = ImageRef("", param)
+        if len(data) > self.limits.max_bytes:
+            raise CodecError(
+                f"the image has {len(data)} bytes; at most {self.limits.max_bytes} are allowed",
+                param,
+            )
+        return self._pixels(data, ref)
 
     def _bytes(self, ref: ImageRef) -> bytes:
         scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
@@ -201,3 +213,18 @@ def expand_placeholders(
         else:
             out.append(t)
     return out, starts
+
+
+def source_refs(sources: list[Any]) -> list[ImageRef]:
+    """deepseek-recipe's image sources (Messages `image` blocks, Responses `input_image` parts,
+    as its conversion reads them) as references; `param` is the request location it gives."""
+    refs = []
+    for s in sources:
+        if s.kind == "data_url":
+            url = s.data_url
+        elif s.kind == "url":
+            url = s.url
+        else:  # encoded bytes: read as a data URL of them
+            url = "data:;base64," + base64.b64encode(s.data or b"").decode()
+        refs.append(ImageRef(url or "", s.path or "image"))
+    return refs

@@ -1,7 +1,11 @@
-"""An encoder node's `POST /cluster/v1/encode`: preprocessed images in, their embeddings out
-(the image payload format), through this node's content-hash cache and vision tower."""
+"""An encoder node's `POST /cluster/v1/encode`: the images as sent in (encoded bytes, each
+checked against its digest), decoded and preprocessed here by the model's processor, their
+embeddings out (the image payload format), through this node's content-hash cache and vision
+tower."""
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 from aiohttp import web
@@ -9,7 +13,13 @@ from aiohttp import web
 from daemon.api.http.errors import ApiError, bad_request, unavailable
 from daemon.api.http.state import get_state
 from daemon.cluster.encoder_client import ENCODE_PATH
-from daemon.cluster.image_wire import CONTENT_TYPE, ImagePayload, PayloadError, pack, unpack
+from daemon.cluster.image_wire import (
+    CONTENT_TYPE,
+    ImagePayload,
+    PayloadError,
+    pack,
+    unpack_encoded,
+)
 from daemon.loop.images import EncoderFailed, ImageInput
 
 MAX_IMAGE_PAYLOAD_BYTES = 256 << 20
@@ -17,21 +27,24 @@ MAX_IMAGE_PAYLOAD_BYTES = 256 << 20
 
 async def encode(request: web.Request) -> web.Response:
     state = get_state(request)
-    images = state.engine.images
-    if images is None:
+    images, reader = state.engine.images, state.codecs.images
+    if images is None or reader is None:
         raise bad_request("this node's model takes no images")
     try:
-        payload = unpack(await request.read(), MAX_IMAGE_PAYLOAD_BYTES)
+        payload = unpack_encoded(await request.read(), MAX_IMAGE_PAYLOAD_BYTES)
     except PayloadError as e:
         raise bad_request(f"the image payload is invalid: {e}") from None
     fingerprint = images.fingerprint.hex()
     if payload.fingerprint != fingerprint:
         raise ApiError(409, "the images are for another model", code="fingerprint")
-    pixels = payload.tensor
-    if pixels.dim() != 4 or pixels.shape[1] != 3 or not pixels.is_floating_point():
-        raise bad_request("the images must be a float [images, 3, H, W] tensor")
     state.check_engine()
-    inputs = [ImageInput(d, px, 0) for d, px in zip(payload.digests, pixels)]
+    # decoded and preprocessed off the loop; a bad image is a 400 naming its index
+    pixels = await asyncio.to_thread(
+        lambda: [reader.pixels(data, f"images[{i}]") for i, data in enumerate(payload.images)]
+    )
+    inputs = [
+        ImageInput(d, px, 0, data) for d, px, data in zip(payload.digests, pixels, payload.images)
+    ]
     try:
         spans = await images.spans(inputs)
     except EncoderFailed as e:

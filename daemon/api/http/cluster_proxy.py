@@ -45,7 +45,8 @@ _RETURNED = ("Content-Type", "Cache-Control", "X-Accel-Buffering", "Retry-After"
 
 
 class NodeLost(Exception):
-    """The node's lease lapsed (dead, frozen or drained) while the router waited on it."""
+    """The node stayed out of the peer set (dead, frozen, cut off) past the grace while the
+    router waited on it."""
 
 
 CONNECT_TIMEOUT_S = 5.0
@@ -74,7 +75,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         raise bad_request("'model' must be a string", "model")
     raw = await request.read()
     state.metrics.requests.labels(request.path).inc()
-    if not state.router.serving_nodes(model):
+    if not state.router.serving_nodes(model) and not await _node_back(state, model):
         raise _no_node(state, model)
     failed: _Failed | None = None
     tried: set[str] = set()
@@ -94,12 +95,26 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             return result
         failed = result
         state.metrics.failures.labels(result.reason).inc()
+        if result.reason == "connect":  # refused: no process listens (a starved one would)
+            state.router.peers.remove(node.node_id)  # registers again if it is there after all
         log.warning(
             "serving_node_failed", node=node.node_id, reason=result.reason, retry=not attempt
         )
     if failed is not None and failed.body is not None:
         return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
     raise unavailable("no node could take the request; retry later", 1)
+
+
+async def _node_back(state: RouterState, model: str) -> bool:
+    """With no live node of `model` but one whose lease lapsed lately (a starved node misses
+    heartbeats and comes back), waits for a node of `model` to register, until that one has
+    been gone `lost_grace_s`."""
+    peers, grace = state.router.peers, state.lost_grace_s
+    while any(n.served_model == model for n in peers.lapsed_since(grace)):
+        await asyncio.sleep(POLL_S)
+        if state.router.serving_nodes(model):
+            return True
+    return False
 
 
 def _no_node(state: RouterState, model: str) -> ApiError:
@@ -214,14 +229,27 @@ def _error_event(request: web.Request) -> bytes:
 
 
 async def _while_live(state: RouterState, node: NodeInfo, aw: Awaitable[_T]) -> _T:
-    """`aw`, cancelled (NodeLost) once the node's lease lapses; polled every POLL_S."""
+    """`aw`, cancelled (NodeLost) once the node has been out of the peer set (its lease lapsed,
+    or another process holds its id) for `state.lost_grace_s` on end; polled every POLL_S.
+    A lapsed lease alone fails nothing: a starved node misses heartbeats while it still
+    computes, and registers again once it catches up (it gets no new requests meanwhile). Each
+    call is one read, so the grace starts over with every chunk the node sends."""
     task = asyncio.ensure_future(aw)
+    gone_since: float | None = None
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=POLL_S)
             if done:
                 return task.result()
-            if state.router.peers.get(node.node_id) is None:
+            live = state.router.peers.get(node.node_id)
+            if live is not None and live.epoch == node.epoch:
+                gone_since = None
+                continue
+            now = time.monotonic()
+            if gone_since is None:
+                gone_since = now
+                log.info("serving_node_lapsed", node=node.node_id, grace_s=state.lost_grace_s)
+            if now - gone_since >= state.lost_grace_s:
                 raise NodeLost(node.node_id)
     finally:
         if not task.done():

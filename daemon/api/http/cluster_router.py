@@ -108,6 +108,7 @@ async def health(request: web.Request) -> web.Response:
             "role": "router",
             "nodes": {role: roles.get(role, 0) for role in ("prefill", "decode", "unified")},
             "in_flight": sum(state.router.in_flight.values()),
+            "prefill_balance": {"rel": state.router.balance.rel, "abs": state.router.balance.abs},
         }
     )
 

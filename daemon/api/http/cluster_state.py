@@ -48,6 +48,9 @@ class RouterState:
     lease_ms: int  # how long a handoff's KV may be used after the prefill node starts it
     created: int  # unix time the router started
     api_key: str | None = field(default=None, repr=False)
+    # a request waiting on a node that left the peer set is given up after this long (with no
+    # byte from it and no registration again meanwhile)
+    lost_grace_s: float = 60.0
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     # the proxied streams' TTFT / TPOT (the autoscaler's latency inputs)
     slo: SloWindow = field(default_factory=lambda: SloWindow(10.0))

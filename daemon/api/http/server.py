@@ -10,10 +10,12 @@ from types import ModuleType
 import structlog
 from aiohttp import web
 
+from daemon.api.codecs.base import Codec, JsonObject
 from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.codecs.constraints import Constraints
 from daemon.api.codecs.dense_chat import DenseChatCodec
+from daemon.api.codecs.dense_conversation import DenseConversationCodec
 from daemon.api.codecs.images import ImageLimits, ImageReader
 from daemon.api.codecs.recipe.codec import CHAT, MESSAGES, RESPONSES, RecipeCodec
 from daemon.api.codecs.recipe.conversation import ConversationCodec
@@ -121,11 +123,13 @@ def _codecs(
     store: ResponseStore,
 ) -> Codecs:
     """DeepSeek-V4 checkpoints with a tokenizer speak through deepseek-recipe; other families'
-    chat goes through the checkpoint's chat template, where it has one."""
+    conversations go through the checkpoint's chat template, where it has one (Responses and
+    Messages converted by the recipe, answered by its stream processor)."""
     tok = engine.tokenizer
     completions = CompletionsCodec(tok, served_name)
+    images = _image_reader(engine, server_cfg, model_dir)
     if tok is None:
-        return Codecs(completions)
+        return Codecs(completions, images=images)
     constraints = Constraints(tok, engine.runner.vocab_size, engine.eos_token_ids)
     if is_deepseek_v4(engine.runner.model):
         recipe = RecipeCodec(tok, served_name, engine.max_model_len, server_cfg.thinking_default)
@@ -140,10 +144,14 @@ def _codecs(
         else None
     )
     if template is None:
-        return Codecs(completions, constraints=constraints)
-    images = _image_reader(engine, server_cfg, model_dir)
+        return Codecs(completions, constraints=constraints, images=images)
     chat = DenseChatCodec(template, constraints, served_name, engine.max_model_len, images)
-    return Codecs(completions, {CHAT.name: chat}, chat_template=template, constraints=constraints)
+    conversations: dict[str, Codec[JsonObject]] = {CHAT.name: chat}
+    for p in (RESPONSES, MESSAGES):
+        conversations[p.name] = DenseConversationCodec(chat, p, engine.eos_token_ids, store)
+    return Codecs(
+        completions, conversations, chat_template=template, constraints=constraints, images=images
+    )
 
 
 def image_limits(cfg: ServerConfig) -> ImageLimits:

@@ -12,6 +12,7 @@ from daemon.api.codecs.base import Codec, JsonObject
 from daemon.api.codecs.chat_template import ChatTemplate
 from daemon.api.codecs.completions import CompletionsCodec
 from daemon.api.codecs.constraints import Constraints
+from daemon.api.codecs.images import ImageReader
 from daemon.api.codecs.recipe.codec import RecipeCodec
 from daemon.api.http.errors import ApiError, bad_request, model_not_found, overloaded, unavailable
 from daemon.loop.engine import Engine
@@ -22,13 +23,15 @@ from daemon.loop.metrics import EngineMetrics
 class Codecs:
     """What the model speaks: completions always; with a chat codec, `conversations` by the
     recipe's protocol names: chat, responses and messages through deepseek-recipe (DeepSeek-V4),
-    or chat alone through the checkpoint's own chat template (other families)."""
+    or through the checkpoint's own chat template (other families; responses and messages
+    converted by the recipe: text and images only)."""
 
     completions: CompletionsCodec
     conversations: dict[str, Codec[JsonObject]] = field(default_factory=dict)
     recipe: RecipeCodec | None = None  # DeepSeek-V4: /tokenize's chat ids, count_tokens
     chat_template: ChatTemplate | None = None  # other families: /tokenize's chat ids
     constraints: Constraints | None = None  # structured output (xgrammar), closed with the app
+    images: ImageReader | None = None  # a vision model's: image bytes to pixels (encoder route)
 
 
 @dataclass

@@ -12,6 +12,14 @@ if TYPE_CHECKING:
     from daemon.loop.request import Request
 
 
+# with overlap, a step runs beside one in flight only where at least this share of the
+# running requests can join it (neither verifying nor held to be drafted) or a request waits
+# to be admitted: a decode step of a few sequences costs nearly a full one (every weight read
+# for a few tokens), while waiting for the step in flight costs only the loop's turn. The
+# scheduler applies it; the adaptive policy prices a verify plan by it.
+OVERLAP_MIN_SHARE = 0.5
+
+
 @dataclass
 class Draft:
     """A drafter's proposal for the tokens after a request's known ones."""

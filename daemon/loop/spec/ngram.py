@@ -92,6 +92,36 @@ class MatchStats:
         ]
 
 
+class RequestRates:
+    """One request's own acceptance by draft position: decayed counts of its scored proposals,
+    P(accept j | accepted < j) shrunk toward the shared estimate with the weight of `strength`
+    outcomes. Requests differ far more than match lengths do (an edit repeats its input, a
+    chat answer rarely does), and every proposal is scored whether verified or not, so these
+    counts carry no selection bias and fill at about one outcome a step."""
+
+    def __init__(self, strength: float = 8.0, memory: float = 0.97) -> None:
+        self.strength = strength
+        self.memory = memory  # weight an outcome keeps per later one at its position
+        self.accepted: list[float] = []
+        self.tried: list[float] = []
+
+    def record(self, j: int, accepted: bool) -> None:
+        if j >= len(self.tried):
+            grow = j + 1 - len(self.tried)
+            self.tried.extend([0.0] * grow)
+            self.accepted.extend([0.0] * grow)
+        m = self.memory
+        self.tried[j] = self.tried[j] * m + 1.0
+        self.accepted[j] = self.accepted[j] * m + float(accepted)
+
+    def adjust(self, shared: list[float]) -> list[float]:
+        """The shared per-position estimates moved toward this request's own outcomes."""
+        s, tried, acc = self.strength, self.tried, self.accepted
+        return [
+            (acc[j] + s * p) / (tried[j] + s) if j < len(tried) else p for j, p in enumerate(shared)
+        ]
+
+
 @dataclass
 class _Pending:
     """A proposal whose outcome is not all known: scored against the request's tokens as they
@@ -113,6 +143,7 @@ class _Context:
     # last[n - min_n]: n-gram -> the position after its latest occurrence that has a follower
     last: list[dict[tuple[int, ...], int]] = field(default_factory=list)
     pending: list[_Pending] = field(default_factory=list)
+    rates: RequestRates = field(default_factory=RequestRates)
 
 
 class NgramDrafter:
@@ -129,7 +160,8 @@ class NgramDrafter:
     the same id.
 
     Outcomes: every proposal is scored against the tokens the request then produces, position
-    by position up to its first miss, into `stats`. A position the step did not verify is
+    by position up to its first miss, into `stats` and the request's own `RequestRates`, which
+    move its confidences toward its own acceptance. A position the step did not verify is
     decided by the token the target produced there, which has the outcome verification would
     have had (greedy: the same token; sampled: the point-mass draft's acceptance probability,
     p(token)). So the counts need not know how many tokens the policy verified, and a
@@ -164,9 +196,8 @@ class NgramDrafter:
             period = end - start
             while len(draft) < k:  # the match overlaps the suffix: the pattern repeats
                 draft.append(draft[len(draft) - period])
-            proposal = LookupDraft(
-                draft, self.stats.confidence(n, len(draft)), source="ngram", match_len=n
-            )
+            confidence = ctx.rates.adjust(self.stats.confidence(n, len(draft)))
+            proposal = LookupDraft(draft, confidence, source="ngram", match_len=n)
             self._track(ctx, proposal, self.stats)
             return proposal
         return LookupDraft([], [])
@@ -206,6 +237,7 @@ class NgramDrafter:
             while hit and j < last:
                 hit = tokens[p.start + j] == p.tokens[j]
                 p.stats.record(p.match_len, j, hit)
+                ctx.rates.record(j, hit)
                 j += 1
             p.decided = j
             if hit and j < len(p.tokens):

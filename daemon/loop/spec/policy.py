@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from daemon.loop.spec.base import Candidate, SpecPolicy, StepCost
+from daemon.loop.spec.base import OVERLAP_MIN_SHARE, Candidate, SpecPolicy, StepCost
 from daemon.loop.spec.calibration import Calibrator
 from daemon.loop.spec.cost import CostTable
 from daemon.loop.spec.online_cost import MeasuredCost
@@ -55,8 +55,9 @@ class AdaptivePolicy:
     `hold` (the overlap loop): a verifying sequence sits out the next step (its length is known
     only once its verify is processed) while the others run it as decodes, so a plan is priced
     over both steps: its tokens plus the others' next ones, over its seconds plus a decode step
-    of the others. Where every sequence verifies, no next step runs without them (the loop's
-    work, then not hidden behind a step, is not priced)."""
+    of the others. Where fewer than OVERLAP_MIN_SHARE of the sequences would be left to run
+    it (every sequence verifying, say), no next step runs without them (the loop's work, then
+    not hidden behind a step, is not priced)."""
 
     def __init__(
         self,
@@ -85,11 +86,10 @@ class AdaptivePolicy:
         orders = [_items(survivals, 0.0)]  # ranked by survival
         if self.hold:
             # a candidate's first slots as one item (the prefix worth most per slot after the
-            # token it forgoes in the step it sits out); and where every sequence may verify
-            # (then none sits out), every candidate's first slot ahead of the rest
+            # token it forgoes in the step it sits out); and every candidate's first slot
+            # ahead of the rest (where enough verify, none sits out: OVERLAP_MIN_SHARE)
             orders.append(_items(survivals, 1.0))
-            if len(candidates) >= num_seqs:
-                orders.append(sorted(orders[0], key=lambda item: not item[5]))
+            orders.append(sorted(orders[0], key=lambda item: not item[5]))
         for items in orders:
             plan = self._scan(items, len(candidates), step)
             if plan.rate > best.rate:
@@ -168,7 +168,7 @@ class _Step:
         added = self.cost.seconds(self.num_tokens + drafts, seqs, drafts) - self.base
         gain = seqs + expected
         seconds = self.decode + max(added, 0.0) + rollback * verifying
-        if hold and 0 < verifying < seqs:
+        if hold and 0 < verifying < seqs and seqs - verifying >= OVERLAP_MIN_SHARE * seqs:
             others = seqs - verifying
             gain += others
             seconds += self.cost.seconds(others, others)
