@@ -29,6 +29,9 @@ class EngineConfig:
     # every step eager: no CUDA graphs (cuda), no compiled decode forward (cpu); by default
     # as DEEPINFER_ENGINE_ENFORCE_EAGER says (the test suite sets it)
     enforce_eager: bool = field(default_factory=lambda: _env_flag("DEEPINFER_ENGINE_ENFORCE_EAGER"))
+    # a GGUF checkpoint's dequantized weights kept under DEEPINFER_CACHE/weights: a restart
+    # reads them instead of dequantizing again (a file as large as the weights in `dtype`)
+    gguf_weight_cache: bool = True
     cpu_threads: int = 0  # torch threads for a CPU device; 0 = all (one left free if > 4)
     seed: int = 0
     prefix_caching: bool = True

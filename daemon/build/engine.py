@@ -17,7 +17,7 @@ from daemon.build.images import RemoteEncoder, image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
 from daemon.build.mtp import state_bytes as mtp_state_bytes
-from daemon.build.paths import use_compile_cache_dir
+from daemon.build.paths import gguf_cache, use_compile_cache_dir
 from daemon.build.speculation import (
     bounded_by_draft,
     build_speculator,
@@ -78,7 +78,7 @@ def build_engine(
         device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
     with failing_as(f"model {path}", ModelLoadError, UnsupportedRope, OSError):
-        loaded = load_model(path, device, dtype)
+        loaded = load_model(path, device, dtype, gguf_cache(cfg))
     model = loaded.model
     # `tokenizers` raises plain Exceptions; whatever it is, the files cannot serve
     with failing_as(f"tokenizer {find_gguf(path) or path / 'tokenizer.json'}", Exception):

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from daemon.build.config import EngineConfig
 
 
 def cache_dir() -> Path:
@@ -20,6 +24,12 @@ def compile_cache_dir() -> Path:
     """inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, where that is not set): a restart
     loads the compiled forward instead of compiling it again."""
     return cache_dir() / "inductor"
+
+
+def gguf_cache(cfg: EngineConfig) -> Path | None:
+    """Where a GGUF checkpoint's dequantized weights are kept (None: `gguf_weight_cache` is
+    off); a restart reads them instead of dequantizing again."""
+    return cache_dir() / "weights" if cfg.gguf_weight_cache else None
 
 
 def use_compile_cache_dir() -> None:

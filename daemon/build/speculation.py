@@ -13,6 +13,7 @@ import torch
 
 from daemon.build.config import EngineConfig
 from daemon.build.mtp import mtp_layer
+from daemon.build.paths import gguf_cache
 from daemon.build.startup import StartupError, failing_as
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import KVGroup
@@ -79,7 +80,7 @@ def load_draft_model(
         if not same:
             raise StartupError(f"draft model {path}: its tokenizer is not the target's")
     with failing_as(f"draft model {path}", ModelLoadError, UnsupportedRope, OSError):
-        draft = load_model(path, device, dtype).model
+        draft = load_model(path, device, dtype, gguf_cache(cfg)).model
     if draft.vocab_size != target.vocab_size:
         raise StartupError(
             f"draft model {path}: a vocabulary of {draft.vocab_size} tokens, the target's has "

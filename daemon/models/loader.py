@@ -20,6 +20,7 @@ from daemon.models.deepseek_v4.config import V4Config
 from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from daemon.models.deepseek_v4.weights import describe_part, is_scale, mtp_key, weight_of_scale
 from daemon.models.dense import DenseConfig, DenseForCausalLM
+from daemon.models.gguf_checkpoint.cache import cache_file, read_into, write_from
 from daemon.models.gguf_checkpoint.config import gguf_config
 from daemon.models.gguf_checkpoint.reader import GGUFError, find_gguf, open_gguf
 from daemon.models.gguf_checkpoint.weights import hf_tensors
@@ -66,7 +67,11 @@ def checkpoint_dtype(hf_config: dict[str, Any]) -> str | None:
     return hf_config.get("dtype") or hf_config.get("torch_dtype")
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    path: str | Path, device: torch.device, dtype: torch.dtype, weight_cache: Path | None = None
+) -> LoadedModel:
+    """The model at `path` on `device`; `weight_cache`: a directory where a GGUF file's
+    dequantized weights are kept between runs (None: dequantize every time)."""
     path = Path(path)
     hf_config = read_config(path)
     model_type = hf_config.get("model_type")
@@ -93,9 +98,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
         if gguf_file is None:
             load_weights(model, path, fp8_block_size(hf_config), dtype)
         else:
-            reader = open_gguf(gguf_file)
-            tensors = hf_tensors(reader, hf_config)
-            fill_weights(model, tensors, len(reader.tensors), gguf_file.name, "dequantizing GGUF")
+            load_gguf_weights(model, gguf_file, hf_config, dtype, weight_cache)
     after_load = getattr(model, "after_load", None)
     if after_load is not None:
         after_load()
@@ -104,6 +107,26 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
         "model_loaded", path=str(path), model_type=model_type, dtype=str(dtype), device=str(device)
     )
     return LoadedModel(model, hf_config, dtype, path)
+
+
+def load_gguf_weights(
+    model: nn.Module,
+    gguf_file: Path,
+    hf_config: dict[str, Any],
+    dtype: torch.dtype,
+    weight_cache: Path | None,
+) -> None:
+    """Fill `model` from `gguf_file`, or from the dequantized copy kept under `weight_cache`
+    (written there after a dequantization)."""
+    kept = cache_file(weight_cache, gguf_file, dtype) if weight_cache is not None else None
+    if kept is not None and read_into(model, kept):
+        log.info("weights_from_cache", file=str(kept))
+        return
+    reader = open_gguf(gguf_file)
+    tensors = hf_tensors(reader, hf_config)
+    fill_weights(model, tensors, len(reader.tensors), gguf_file.name, "dequantizing GGUF")
+    if kept is not None:
+        write_from(model, kept)
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -30,6 +30,7 @@ _RENAMED: dict[str, tuple[str, str, Callable[[Any], Any]]] = {
     "no_overlap": ("engine", "overlap", lambda v: not v),
     "no_prefix_caching": ("engine", "prefix_caching", lambda v: not v),
     "no_kv_store": ("engine", "kv_store_dir", lambda v: ""),
+    "no_gguf_weight_cache": ("engine", "gguf_weight_cache", lambda v: not v),
     "traffic_class": ("engine", "traffic_classes", lambda v: v),
     "log_level": ("logging", "level", lambda v: v),
     "log_format": ("logging", "format", lambda v: v),
@@ -307,6 +308,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=S,
         help="run every step eagerly (no CUDA graphs, no compiled CPU forward for decode steps)",
+    )
+    g.add_argument(
+        "--no-gguf-weight-cache",
+        action="store_true",
+        default=S,
+        help="dequantize a GGUF checkpoint at every start instead of keeping its weights "
+        "under $DEEPINFER_CACHE/weights",
     )
     g.add_argument("--dtype", default=S, help=" | ".join(DTYPES))
     g.add_argument("--device", default=S, help=" | ".join(DEVICES))

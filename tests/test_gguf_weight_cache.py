@@ -1,0 +1,102 @@
+"""A GGUF checkpoint's dequantized weights kept between runs: the second load reads them (no
+dequantization), bit for bit what dequantizing gives; a changed GGUF file, another dtype or a
+damaged cache file is dequantized again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+from structlog.testing import capture_logs
+
+from daemon.models.gguf_checkpoint.cache import cache_file
+from daemon.models.loader import load_model
+from tests.checkpoints import make_dense_checkpoint
+from tests.test_gguf_files import TYPED, hf_of, write_gguf
+
+CPU = torch.device("cpu")
+Q = GGMLQuantizationType
+
+
+def quantized_gguf(tmp_path: Path, seed: int = 0) -> Path:
+    checkpoint = make_dense_checkpoint(tmp_path / f"hf{seed}", "llama", **TYPED, seed=seed)
+    cfg, tensors = hf_of(checkpoint)
+    types = {k: Q.Q4_1 for k, v in tensors.items() if v.ndim == 2}
+    file = tmp_path / "m.gguf"
+    write_gguf(file, "llama", cfg, tensors, types)
+    return file
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def events(logs: list[dict]) -> list[str]:
+    return [e["event"] for e in logs if e["event"].startswith("weight")]
+
+
+def test_second_load_reads_the_kept_weights(tmp_path: Path) -> None:
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    plain = state(load_model(file, CPU, torch.bfloat16).model)
+    assert not kept.exists()  # no cache unless given one
+    with capture_logs() as first:
+        state(load_model(file, CPU, torch.bfloat16, kept).model)
+    assert events(first) == []
+    assert cache_file(kept, file, torch.bfloat16).is_file()
+    with capture_logs() as second:
+        again = state(load_model(file, CPU, torch.bfloat16, kept).model)
+    assert events(second) == ["weights_from_cache"]
+    assert_same(again, plain)
+    # another dtype is another file
+    with capture_logs() as fp32:
+        as_fp32 = state(load_model(file, CPU, torch.float32, kept).model)
+    assert events(fp32) == []
+    assert_same(as_fp32, state(load_model(file, CPU, torch.float32).model))
+    assert len(list(kept.glob("*.safetensors"))) == 2
+
+
+def test_a_changed_gguf_file_is_dequantized_again(tmp_path: Path) -> None:
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    old = state(load_model(file, CPU, torch.float32, kept).model)
+    file = quantized_gguf(tmp_path, seed=1)  # the same path, other weights
+    with capture_logs() as logs:
+        new = state(load_model(file, CPU, torch.float32, kept).model)
+    assert events(logs) == []
+    assert_same(new, state(load_model(file, CPU, torch.float32).model))
+    assert not torch.equal(new["embed_tokens.weight"], old["embed_tokens.weight"])
+
+
+def test_a_damaged_cache_file_is_replaced(tmp_path: Path) -> None:
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    want = state(load_model(file, CPU, torch.float32, kept).model)
+    cached = cache_file(kept, file, torch.float32)
+    cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2])  # a crash mid-copy
+    with capture_logs() as logs:
+        got = state(load_model(file, CPU, torch.float32, kept).model)
+    assert events(logs) == ["weight_cache_unreadable"]
+    assert_same(got, want)
+    with capture_logs() as logs:  # written whole again
+        assert_same(state(load_model(file, CPU, torch.float32, kept).model), want)
+    assert events(logs) == ["weights_from_cache"]
+
+
+def test_flag_turns_it_off() -> None:
+    from daemon.build.config import EngineConfig
+    from daemon.build.paths import gguf_cache
+    from daemon.service.cli import build_parser
+    from daemon.service.flags import overrides
+
+    given = overrides(build_parser().parse_args(["serve", "--no-gguf-weight-cache"]))["engine"]
+    assert given["gguf_weight_cache"] is False
+    assert gguf_cache(EngineConfig(gguf_weight_cache=False)) is None
+    assert gguf_cache(EngineConfig()) is not None
