@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -33,6 +34,7 @@ import aiohttp
 from bench.common import ModelSpec, make_checkpoint, percentile
 from bench.cpu_quota import CpuQuota
 from daemon.service.live_server import free_port
+from daemon.sim.table import Bandwidth, CostTable, Grid
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-autoscale-token"
@@ -226,19 +228,41 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
 
 
 def profile_table(args, model: Path, tmp: Path) -> Path:
-    """`deepinfer profile` of the bench's model on one torch thread, in a node's CPU quota."""
+    """`deepinfer profile` of the bench's model on one torch thread, as a node of
+    `--node-cpus` cores runs it: profiled on a whole core, every step then slowed by 1 / C.
+    Profiled in the quota instead, short steps would run before the quota throttles them and
+    long ones after, each at another speed."""
     out = tmp / "table.json"
-    quota = CpuQuota("bench-autoscale-profile", args.node_cpus) if args.node_cpus else None
     cmd = [sys.executable, "-m", "daemon", "profile", "--model", str(model), "--cpu-threads", "1",
            "--enforce-eager", "--out", str(out)]  # fmt: skip
-    try:
-        subprocess.run(
-            cmd, cwd=ROOT, env=checkout_env(), check=True, preexec_fn=quota.join if quota else None
-        )
-    finally:
-        if quota:
-            quota.remove()
+    subprocess.run(cmd, cwd=ROOT, env=checkout_env(), check=True)
+    if args.node_cpus:
+        on_cores(CostTable.load(out), args.node_cpus).save(out)
     return out
+
+
+def on_cores(table: CostTable, cores: float) -> CostTable:
+    """`table` (measured on one core) for a node given `cores` of CPU time: every step and
+    host copy takes 1 / cores as long."""
+
+    def slower(g: Grid | None) -> Grid | None:
+        if g is None:
+            return None
+        return Grid(g.rows, g.columns, [[s / cores for s in row] for row in g.seconds])
+
+    def narrower(b: Bandwidth) -> Bandwidth:
+        return Bandwidth(b.bytes_per_s * cores, b.latency_s / cores)
+
+    note = f"{table.provenance.note}; every time / {cores:g} (a node of {cores:g} cores)"
+    return dataclasses.replace(
+        table,
+        provenance=dataclasses.replace(table.provenance, note=note),
+        prefill=slower(table.prefill),
+        decode=slower(table.decode),
+        prefill_batch=slower(table.prefill_batch),
+        host_save=narrower(table.host_save),
+        host_load=narrower(table.host_load),
+    )
 
 
 def summary(samples: list[Sample], args) -> dict:
