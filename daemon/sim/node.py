@@ -19,6 +19,7 @@ from daemon.kv.tier_ops import CacheOps, TierQueue
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
+from daemon.sim.moe import MoEConfig, SimExperts
 from daemon.sim.router import FINGERPRINT, MODEL
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
@@ -33,6 +34,7 @@ class NodeConfig:
     host_bytes: float  # 0: no host tier
     max_num_seqs: int
     max_num_batched_tokens: int
+    moe: MoEConfig | None = None  # a MoE model under expert parallelism (sim/moe.py)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class SimNode:
         self.transfers: list[Transfer] = []  # for the next run
         self.unfinished = 0  # requests routed here and not finished
         self.counters = NodeCounters()
+        self.experts = SimExperts(cfg.moe, index) if cfg.moe is not None else None
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -155,7 +158,7 @@ class SimNode:
         c.host_bytes_saved += saves * self.block_bytes
         c.host_bytes_loaded += loads * self.block_bytes
         if step is not None:
-            seconds += self.cost.seconds(step)
+            seconds += self._forward(self.cost.seconds(step), sum(s.num_tokens for s in step.seqs))
             c.steps += 1
             for s in step.seqs:
                 if s.is_decode:
@@ -165,6 +168,15 @@ class SimNode:
         seconds = max(seconds, MIN_STEP_S)
         c.busy_s += seconds
         return Running(step, ops, start + seconds, transfers), reads
+
+    def _forward(self, seconds: float, tokens: int) -> float:
+        """A forward of `tokens` tokens that the table says takes `seconds`: on a MoE node,
+        stretched by its experts' imbalance (and counted toward their statistics)."""
+        if self.experts is None:
+            return seconds
+        draw = self.experts.draw(tokens, seconds)
+        self.experts.take(draw)
+        return draw.seconds
 
     def finish_step(self) -> tuple[list[tuple[Request, bool]], list[Transfer]]:
         """The running step is done: its tokens, as (request, finished) for each sample, and
@@ -240,10 +252,14 @@ class SimNode:
         c = self.counters
         done = 0
         while done < steps:
-            seconds = max(self.cost.decodes(n, context), MIN_STEP_S)
+            seconds = self.cost.decodes(n, context)
+            draw = self.experts.draw(n, seconds) if self.experts is not None else None
+            seconds = max(draw.seconds if draw is not None else seconds, MIN_STEP_S)
             end = now + seconds
             if end >= until:
                 break
+            if self.experts is not None and draw is not None:
+                self.experts.take(draw)
             now = end
             context += n
             done += 1
