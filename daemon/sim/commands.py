@@ -18,6 +18,7 @@ from daemon.cluster.balance_flags import add_prefill_balance_flags
 from daemon.cluster.router import PrefillBalance
 from daemon.sim.moe_flags import add_moe_flags, moe_config
 from daemon.sim.router import POLICIES
+from daemon.sim.spec_flags import add_spec_flags, spec_config
 from daemon.sim.table import Bandwidth, CostTable, TableError
 from daemon.sim.trace import TraceError, TraceRequest, read_trace
 
@@ -165,6 +166,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_prefill_balance_flags(p)
     add_moe_flags(p)
+    add_spec_flags(p)
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -245,6 +247,7 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.max_num_seqs,
         args.max_num_batched_tokens,
         moe_config(args),
+        spec_config(args),
     )
     return ClusterConfig(
         args.nodes,
@@ -390,4 +393,8 @@ def _check(args: argparse.Namespace) -> str | None:
         moe_config(args)
     except ValueError as e:
         return f"--moe-*: {e}"
+    try:
+        spec_config(args)
+    except ValueError as e:
+        return f"--spec-*: {e}"
     return None

@@ -21,6 +21,7 @@ from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
 from daemon.sim.moe import MoEConfig, SimExperts
 from daemon.sim.router import FINGERPRINT, MODEL
+from daemon.sim.spec import SimSpeculation, SpecConfig
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
 
@@ -35,6 +36,7 @@ class NodeConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     moe: MoEConfig | None = None  # a MoE model under expert parallelism (sim/moe.py)
+    spec: SpecConfig | None = None  # speculative decoding (sim/spec.py)
 
 
 @dataclass
@@ -95,9 +97,13 @@ class SimNode:
         )
         self.store = store
         self.prefix = PrefixCache(self.kv, self.queue, SALT, store=store)  # type: ignore[arg-type]
+        self.spec = SimSpeculation(cfg.spec, table, index) if cfg.spec is not None else None
         self.scheduler = Scheduler(
-            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix
-        )
+            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix,
+            self.spec.speculator if self.spec is not None else None,
+        )  # fmt: skip
+        if self.spec is not None:
+            self.spec.scheduler = self.scheduler
         # what a block copied to host memory holds: a stride-0 view, its size without its bytes
         self._payload = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
         self.running: Running | None = None
@@ -161,7 +167,7 @@ class SimNode:
             seconds += self._forward(self.cost.seconds(step), sum(s.num_tokens for s in step.seqs))
             c.steps += 1
             for s in step.seqs:
-                if s.is_decode:
+                if s.is_decode or s.draft:
                     c.decode_tokens += 1
                 else:
                     c.prefill_tokens += s.num_tokens
@@ -190,12 +196,20 @@ class SimNode:
         for seq in running.step.seqs:
             req = seq.request
             req.num_inflight_steps -= 1
-            if not seq.samples or req.finished:
+            if not seq.samples:
                 continue
-            req.output_ids.append(OUTPUT_TOKEN)
+            tokens = 1  # and a verify's accepted drafts
+            if self.spec is not None and seq.proposal is not None:
+                tokens += self.spec.verified(seq)
+            if req.finished:
+                continue
+            tokens = min(tokens, req.params.max_tokens - len(req.output_ids))
+            req.output_ids.extend([OUTPUT_TOKEN] * tokens)
             done = len(req.output_ids) >= req.params.max_tokens
             if done:
                 self.scheduler.finish(req, FinishReason.LENGTH)
+                if self.spec is not None:
+                    self.spec.speculator.finished(req)
                 self.unfinished -= 1
             out.append((req, done))
         self.counters.preemptions = self.scheduler.num_preemptions

@@ -80,6 +80,7 @@ def summarize(run: SimRun) -> dict:
         },
         "handoff": _handoffs(done),
         "moe": _moe(nodes),
+        "spec": _spec(nodes),
         "per_node": [
             {"role": n.role} | asdict(n.counters) | {"utilization": n.counters.busy_s / span}
             for n in nodes
@@ -113,6 +114,20 @@ def _moe(nodes: list[SimNode]) -> dict | None:
         total = sum(s[f"imbalance_sum_{half}"] for s in per_node)
         out[f"step_imbalance_{half}_first_rebalance"] = total / steps if steps else None
     return out | {"per_node": per_node}
+
+
+def _spec(nodes: list[SimNode]) -> dict | None:
+    """Speculating nodes' drafts verified and accepted (None without speculation), in all
+    and per node (the Speculator's own report)."""
+    specs = [n.spec.speculator for n in nodes if n.spec is not None]
+    if not specs:
+        return None
+    return {
+        "draft_tokens": sum(s.stats.num_draft_tokens for s in specs),
+        "accepted_tokens": sum(s.stats.num_accepted_tokens for s in specs),
+        "steps": sum(s.stats.num_steps for s in specs),
+        "per_node": [s.as_dict() for s in specs],
+    }
 
 
 def _finite(x: float) -> float | str:
