@@ -41,6 +41,43 @@ class Decisions:
     rebalance: bool = False
 
 
+def default_slots_per_rank(num_experts: int, ranks: int) -> int:
+    """Every expert once and, under expert parallelism, a spare slot a rank for hot replicas."""
+    return math.ceil(num_experts / ranks) + (ranks > 1)
+
+
+def decide(step: int, stats_interval: int, rebalance_interval: int) -> Decisions:
+    """What the schedule asks for after forward number `step` (from 1): the load is collected
+    every `stats_interval` steps, and placed anew every `rebalance_interval` (0: never)."""
+    rebalance = rebalance_interval > 0 and step % rebalance_interval == 0
+    collect = rebalance or (stats_interval > 0 and step % stats_interval == 0)
+    return Decisions(collect, rebalance)
+
+
+def replan(
+    window: LoadWindow,
+    placements: list[Placement],
+    slots_per_rank: int,
+    stats_interval: int,
+    rebalance_interval: int,
+) -> list[Placement]:
+    """Every layer's next placement from the window's load (same ranks as before), hedged
+    against the drift the window has seen until the next rebalance."""
+    every, sampled = rebalance_interval, stats_interval
+    horizon = every / sampled if every and sampled else 1.0
+    return [
+        robust_placement(
+            window.samples(i),
+            old.num_ranks,
+            slots_per_rank,
+            old,
+            drift=window.swap_model(i),
+            horizon=horizon,
+        )
+        for i, old in enumerate(placements)
+    ]
+
+
 class MoEController:
     def __init__(
         self,
@@ -54,7 +91,7 @@ class MoEController:
         self.layers, self.ep = layers, ep
         self.num_experts = layers[0].num_experts
         ranks = ep.size if ep else 1
-        self.slots_per_rank = slots_per_rank or math.ceil(self.num_experts / ranks) + (ranks > 1)
+        self.slots_per_rank = slots_per_rank or default_slots_per_rank(self.num_experts, ranks)
         self.window = LoadWindow(window)
         self.steps = 0
         self.version = 0  # placements applied so far
@@ -90,10 +127,7 @@ class MoEController:
 
     def schedule(self) -> Decisions:
         """What this rank's intervals ask for after the next step (under EP rank 0's count)."""
-        step = self.steps + 1
-        rebalance = self.rebalance_interval > 0 and step % self.rebalance_interval == 0
-        collect = rebalance or (self.stats_interval > 0 and step % self.stats_interval == 0)
-        return Decisions(collect, rebalance)
+        return decide(self.steps + 1, self.stats_interval, self.rebalance_interval)
 
     def rebalance_requested(self) -> bool:
         return self._rebalance_requested.is_set()
@@ -122,25 +156,18 @@ class MoEController:
         if self.ep is None or self.ep.size == 1 or load is None:
             return
         start = time.perf_counter()
-        # rank 0 places, hedging against the drift the window has seen until the next rebalance
-        every, sampled = self.rebalance_interval, self.stats_interval
-        horizon = every / sampled if every and sampled else 1.0
-        table = torch.tensor(
-            [
-                robust_placement(
-                    self.window.samples(i),
-                    self.ep.size,
-                    self.slots_per_rank,
-                    old,
-                    drift=self.window.swap_model(i),
-                    horizon=horizon,
-                ).phys_to_logical
-                for i, old in enumerate(self.placements)
-            ]
-            if self.ep.rank == 0
-            else [p.phys_to_logical for p in self.placements],
-            dtype=torch.long,
+        placements = (
+            replan(
+                self.window,
+                self.placements,
+                self.slots_per_rank,
+                self.stats_interval,
+                self.rebalance_interval,
+            )
+            if self.ep.rank == 0  # rank 0 places, the others take its placement
+            else self.placements
         )
+        table = torch.tensor([p.phys_to_logical for p in placements], dtype=torch.long)
         dist.broadcast(table, 0, group=self.ep.control)
         moved = 0
         for i, layer in enumerate(self.layers):

@@ -16,7 +16,9 @@ import structlog
 from daemon.build.config import EngineConfig
 from daemon.cluster.balance_flags import add_prefill_balance_flags
 from daemon.cluster.router import PrefillBalance
+from daemon.sim.moe_flags import add_moe_flags, moe_config
 from daemon.sim.router import POLICIES
+from daemon.sim.spec_flags import add_spec_flags, spec_config
 from daemon.sim.table import Bandwidth, CostTable, TableError
 from daemon.sim.trace import TraceError, TraceRequest, read_trace
 
@@ -163,6 +165,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         help="nodes schedule a step while the last one runs (the engine's overlap)",
     )
     add_prefill_balance_flags(p)
+    add_moe_flags(p)
+    add_spec_flags(p)
     p.add_argument("--out", required=True, help="result JSON; the plots beside it (.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -224,6 +228,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         f"TTFT p50 {t['p50']} s p99 {t['p99']} s, hit rate {100 * p['hit_rate']:.1f} %; "
         f"wrote {out}" + (f" and {png}" if png else "")
     )
+    if (moe := summary["moe"]) is not None:
+        print(
+            f"MoE: {moe['rebalances']} rebalances, step imbalance (max / mean rank load) "
+            f"{moe['step_imbalance_before_first_rebalance']} before the first, "
+            f"{moe['step_imbalance_after_first_rebalance']} after"
+        )
     return 0
 
 
@@ -236,6 +246,8 @@ def _cluster(args: argparse.Namespace) -> ClusterConfig:
         args.host_cache_gb * GB,
         args.max_num_seqs,
         args.max_num_batched_tokens,
+        moe_config(args),
+        spec_config(args),
     )
     return ClusterConfig(
         args.nodes,
@@ -377,4 +389,12 @@ def _check(args: argparse.Namespace) -> str | None:
         PrefillBalance(args.prefill_balance_rel, args.prefill_balance_abs)
     except ValueError as e:
         return f"--prefill-balance-rel / --prefill-balance-abs: {e}"
+    try:
+        moe_config(args)
+    except ValueError as e:
+        return f"--moe-*: {e}"
+    try:
+        spec_config(args)
+    except ValueError as e:
+        return f"--spec-*: {e}"
     return None

@@ -23,11 +23,14 @@ class StepCost:
         self._fixed: dict[int, float] = {}
 
     def seconds(self, step: SchedulerStep) -> float:
-        decodes = [s for s in step.seqs if s.is_decode]
-        chunks = [s for s in step.seqs if not s.is_decode]
+        # a verify (a decode with drafts) costs its draft rows as decodes
+        decodes = [s for s in step.seqs if s.is_decode or s.draft]
+        chunks = [s for s in step.seqs if not (s.is_decode or s.draft)]
         parts = []
         if decodes:
-            parts.append((self.decodes(len(decodes), sum(s.start for s in decodes)), 0.0))
+            rows = sum(s.num_tokens for s in decodes)
+            context = sum(s.start for s in decodes) / len(decodes)
+            parts.append((self.table.decode.at(rows, context), 0.0))
         parts.extend(
             (self.table.prefill.at(s.num_tokens, s.start), self.fixed(s.num_tokens)) for s in chunks
         )

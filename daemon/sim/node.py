@@ -19,7 +19,9 @@ from daemon.kv.tier_ops import CacheOps, TierQueue
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
+from daemon.sim.moe import MoEConfig, SimExperts
 from daemon.sim.router import FINGERPRINT, MODEL
+from daemon.sim.spec import SimSpeculation, SpecConfig
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
 
@@ -33,6 +35,8 @@ class NodeConfig:
     host_bytes: float  # 0: no host tier
     max_num_seqs: int
     max_num_batched_tokens: int
+    moe: MoEConfig | None = None  # a MoE model under expert parallelism (sim/moe.py)
+    spec: SpecConfig | None = None  # speculative decoding (sim/spec.py)
 
 
 @dataclass
@@ -93,9 +97,13 @@ class SimNode:
         )
         self.store = store
         self.prefix = PrefixCache(self.kv, self.queue, SALT, store=store)  # type: ignore[arg-type]
+        self.spec = SimSpeculation(cfg.spec, table, index) if cfg.spec is not None else None
         self.scheduler = Scheduler(
-            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix
-        )
+            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix,
+            self.spec.speculator if self.spec is not None else None,
+        )  # fmt: skip
+        if self.spec is not None:
+            self.spec.scheduler = self.scheduler
         # what a block copied to host memory holds: a stride-0 view, its size without its bytes
         self._payload = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
         self.running: Running | None = None
@@ -104,6 +112,7 @@ class SimNode:
         self.transfers: list[Transfer] = []  # for the next run
         self.unfinished = 0  # requests routed here and not finished
         self.counters = NodeCounters()
+        self.experts = SimExperts(cfg.moe, index) if cfg.moe is not None else None
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -155,16 +164,25 @@ class SimNode:
         c.host_bytes_saved += saves * self.block_bytes
         c.host_bytes_loaded += loads * self.block_bytes
         if step is not None:
-            seconds += self.cost.seconds(step)
+            seconds += self._forward(self.cost.seconds(step), sum(s.num_tokens for s in step.seqs))
             c.steps += 1
             for s in step.seqs:
-                if s.is_decode:
+                if s.is_decode or s.draft:
                     c.decode_tokens += 1
                 else:
                     c.prefill_tokens += s.num_tokens
         seconds = max(seconds, MIN_STEP_S)
         c.busy_s += seconds
         return Running(step, ops, start + seconds, transfers), reads
+
+    def _forward(self, seconds: float, tokens: int) -> float:
+        """A forward of `tokens` tokens that the table says takes `seconds`: on a MoE node,
+        stretched by its experts' imbalance (and counted toward their statistics)."""
+        if self.experts is None:
+            return seconds
+        draw = self.experts.draw(tokens, seconds)
+        self.experts.take(draw)
+        return draw.seconds
 
     def finish_step(self) -> tuple[list[tuple[Request, bool]], list[Transfer]]:
         """The running step is done: its tokens, as (request, finished) for each sample, and
@@ -178,12 +196,20 @@ class SimNode:
         for seq in running.step.seqs:
             req = seq.request
             req.num_inflight_steps -= 1
-            if not seq.samples or req.finished:
+            if not seq.samples:
                 continue
-            req.output_ids.append(OUTPUT_TOKEN)
+            tokens = 1  # and a verify's accepted drafts
+            if self.spec is not None and seq.proposal is not None:
+                tokens += self.spec.verified(seq)
+            if req.finished:
+                continue
+            tokens = min(tokens, req.params.max_tokens - len(req.output_ids))
+            req.output_ids.extend([OUTPUT_TOKEN] * tokens)
             done = len(req.output_ids) >= req.params.max_tokens
             if done:
                 self.scheduler.finish(req, FinishReason.LENGTH)
+                if self.spec is not None:
+                    self.spec.speculator.finished(req)
                 self.unfinished -= 1
             out.append((req, done))
         self.counters.preemptions = self.scheduler.num_preemptions
@@ -240,10 +266,14 @@ class SimNode:
         c = self.counters
         done = 0
         while done < steps:
-            seconds = max(self.cost.decodes(n, context), MIN_STEP_S)
+            seconds = self.cost.decodes(n, context)
+            draw = self.experts.draw(n, seconds) if self.experts is not None else None
+            seconds = max(draw.seconds if draw is not None else seconds, MIN_STEP_S)
             end = now + seconds
             if end >= until:
                 break
+            if self.experts is not None and draw is not None:
+                self.experts.take(draw)
             now = end
             context += n
             done += 1

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from daemon.kv.tier_stats import TIERS
 from daemon.sim.cluster import RequestRecord, SimRun
+from daemon.sim.node import SimNode
 
 PERCENTILES = (50, 90, 99)
 
@@ -78,6 +79,8 @@ def summarize(run: SimRun) -> dict:
             "read": store.counters.bytes_read if store else 0,
         },
         "handoff": _handoffs(done),
+        "moe": _moe(nodes),
+        "spec": _spec(nodes),
         "per_node": [
             {"role": n.role} | asdict(n.counters) | {"utilization": n.counters.busy_s / span}
             for n in nodes
@@ -94,6 +97,36 @@ def _handoffs(done: list[RequestRecord]) -> dict:
         "count": len(handed),
         "bytes": sum(r.handoff_bytes for r in handed),
         "arrival_to_kv_s": percentiles([r.handoff_s - r.arrival_s for r in handed]),  # type: ignore[operator]
+    }
+
+
+def _moe(nodes: list[SimNode]) -> dict | None:
+    """MoE nodes' expert placement (None for a dense model): rebalances, slots moved, the
+    seconds the imbalance added, and the mean step imbalance before and after the first
+    rebalance (over the nodes' steps), in all and per node."""
+    per_node = [n.experts.summary() for n in nodes if n.experts is not None]
+    if not per_node:
+        return None
+    out: dict = {k: sum(s[k] for s in per_node) for k in ("rebalances", "moved_slots")}
+    out["stretch_s"] = sum(s["stretch_s"] for s in per_node)
+    for half in ("before", "after"):
+        steps = sum(s[f"steps_{half}"] for s in per_node)
+        total = sum(s[f"imbalance_sum_{half}"] for s in per_node)
+        out[f"step_imbalance_{half}_first_rebalance"] = total / steps if steps else None
+    return out | {"per_node": per_node}
+
+
+def _spec(nodes: list[SimNode]) -> dict | None:
+    """Speculating nodes' drafts verified and accepted (None without speculation), in all
+    and per node (the Speculator's own report)."""
+    specs = [n.spec.speculator for n in nodes if n.spec is not None]
+    if not specs:
+        return None
+    return {
+        "draft_tokens": sum(s.stats.num_draft_tokens for s in specs),
+        "accepted_tokens": sum(s.stats.num_accepted_tokens for s in specs),
+        "steps": sum(s.stats.num_steps for s in specs),
+        "per_node": [s.as_dict() for s in specs],
     }
 
 
