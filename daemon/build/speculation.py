@@ -69,11 +69,11 @@ def load_draft_model(
             "targets only"
         )
     with failing_as(f"draft model {path}", ModelLoadError, OSError):
-        hf_config = read_config(path)
+        hf_config = read_config(path, gguf_cache(cfg))
     with failing_as(
         f"draft model tokenizer {find_gguf(path) or path / 'tokenizer.json'}", Exception
     ):
-        draft_tokenizer = TextTokenizer.from_dir(path, hf_config)
+        draft_tokenizer = TextTokenizer.from_dir(path, hf_config, gguf_cache(cfg))
     # where either has none, the vocabulary sizes below are all there is to compare
     if tokenizer is not None and draft_tokenizer is not None:
         same = tokenizer.tokenizer.get_vocab() == draft_tokenizer.tokenizer.get_vocab()

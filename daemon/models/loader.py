@@ -21,7 +21,7 @@ from daemon.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from daemon.models.deepseek_v4.weights import describe_part, is_scale, mtp_key, weight_of_scale
 from daemon.models.dense import DenseConfig, DenseForCausalLM
 from daemon.models.gguf_checkpoint.cache import cache_file, read_into, write_from
-from daemon.models.gguf_checkpoint.config import gguf_config
+from daemon.models.gguf_checkpoint.metadata_cache import kept_config
 from daemon.models.gguf_checkpoint.reader import GGUFError, find_gguf, open_gguf
 from daemon.models.gguf_checkpoint.weights import hf_tensors
 from daemon.models.llava import LlavaConfig, LlavaForConditionalGeneration
@@ -50,13 +50,13 @@ class LoadedModel:
     path: Path
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path, gguf_cache: Path | None = None) -> dict[str, Any]:
     """config.json, or the config a GGUF file's metadata makes (`path` names it or a directory
-    holding it)."""
+    holding it; kept in `gguf_cache`, where given, for the next start)."""
     with _gguf_errors():
         gguf_file = find_gguf(path)
         if gguf_file is not None:
-            return gguf_config(open_gguf(gguf_file), gguf_file.name)
+            return kept_config(gguf_file, gguf_cache)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path} has no config.json")
@@ -73,7 +73,7 @@ def load_model(
     """The model at `path` on `device`; `weight_cache`: a directory where a GGUF file's
     dequantized weights are kept between runs (None: dequantize every time)."""
     path = Path(path)
-    hf_config = read_config(path)
+    hf_config = read_config(path, weight_cache)
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
         supported = ", ".join(sorted(MODEL_TYPES))

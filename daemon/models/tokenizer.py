@@ -10,14 +10,17 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from daemon.models.gguf_checkpoint.reader import find_gguf, open_gguf
-from daemon.models.gguf_checkpoint.vocab import gguf_vocab
+from daemon.models.gguf_checkpoint.metadata_cache import kept_vocab
+from daemon.models.gguf_checkpoint.reader import find_gguf
 
 
 class TextTokenizer:
-    def __init__(self, path: Path, hf_config: dict[str, Any]) -> None:
+    def __init__(
+        self, path: Path, hf_config: dict[str, Any], gguf_cache: Path | None = None
+    ) -> None:
         """`path`: a checkpoint directory with tokenizer.json, or a GGUF file (or a directory
-        holding one), whose vocab also carries the chat template."""
+        holding one), whose vocab also carries the chat template (kept in `gguf_cache`, where
+        given, for the next start)."""
         self.chat_template: str | None = None  # where the tokenizer carries it (GGUF)
         self.special_tokens: dict[str, str] = {}  # bos_token / eos_token spellings, with it
         gguf_file = find_gguf(path)
@@ -25,15 +28,17 @@ class TextTokenizer:
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             self.eos_token_ids = _eos_ids(path, hf_config, self.tokenizer)
             return
-        vocab = gguf_vocab(open_gguf(gguf_file), gguf_file.name)
+        vocab = kept_vocab(gguf_file, gguf_cache)
         self.tokenizer = vocab.tokenizer
         self.eos_token_ids = vocab.eos_token_ids
         self.chat_template, self.special_tokens = vocab.chat_template, vocab.special
 
     @classmethod
-    def from_dir(cls, path: Path, hf_config: dict[str, Any]) -> TextTokenizer | None:
+    def from_dir(
+        cls, path: Path, hf_config: dict[str, Any], gguf_cache: Path | None = None
+    ) -> TextTokenizer | None:
         if (path / "tokenizer.json").is_file() or find_gguf(path) is not None:
-            return cls(path, hf_config)
+            return cls(path, hf_config, gguf_cache)
         return None
 
     @property

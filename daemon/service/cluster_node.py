@@ -14,11 +14,12 @@ from daemon.loop.engine import Engine
 from daemon.models.loader import read_config
 
 
-async def fingerprint_of(engine: Engine, model_dir: Path) -> str:
-    """The model and KV layout's fingerprint; it reads files: in a thread."""
+async def fingerprint_of(engine: Engine, model_dir: Path, gguf_cache: Path | None) -> str:
+    """The model and KV layout's fingerprint; it reads files: in a thread. `gguf_cache`: where
+    a GGUF file's config was kept (build_engine's)."""
     layout = kv_layout(engine.kv.groups)
     return await asyncio.to_thread(
-        lambda: model_fingerprint(model_dir, read_config(model_dir), layout)
+        lambda: model_fingerprint(model_dir, read_config(model_dir, gguf_cache), layout)
     )
 
 

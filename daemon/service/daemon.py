@@ -22,6 +22,7 @@ from daemon.api.http.server import bind_tcp, bound_port, create_app, start_serve
 from daemon.api.http.state import STATE, ApiState
 from daemon.build.demo import is_demo, model_path
 from daemon.build.engine import build_engine
+from daemon.build.paths import gguf_cache
 from daemon.cluster.announce import Announcer, Load
 from daemon.cluster.autoscale import Autoscaler
 from daemon.cluster.config import advertise_url, autoscale_targets, prefill_balance
@@ -88,12 +89,13 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     finally:
         signal.signal(signal.SIGTERM, previous)
     model_dir = model_path(engine_cfg)  # built: the demo's checkpoint exists
-    demo = is_demo(read_config(model_dir))
+    kept = gguf_cache(engine_cfg)
+    demo = is_demo(read_config(model_dir, kept))
     logs.add_secret(server_cfg.api_key)
     logs.add_secret(server_cfg.admin_token)
     cluster = settings.cluster
     in_a_cluster = registers(cluster) or cluster.role in ("prefill", "decode")
-    fingerprint = await fingerprint_of(engine, model_dir) if in_a_cluster else ""
+    fingerprint = await fingerprint_of(engine, model_dir, kept) if in_a_cluster else ""
     handoff = handoff_config(cluster, fingerprint, server_cfg.api_key)
     port = socks[0].getsockname()[1]  # the one bound (the settings may say 0)
     announce: Announcer | None = None

@@ -15,18 +15,22 @@ from torch import nn
 
 log = structlog.get_logger(__name__)
 
-# Raise when what the loader writes into the model from a GGUF file changes (names, q/k row
-# order, dequantization): older cache files then stop matching.
+# Raise when what is kept of a GGUF file changes (names, q/k row order, dequantization, the
+# config or tokenizer built from its metadata): older cache files then stop matching.
 FORMAT = 1
 
 
-def cache_file(directory: Path, gguf_file: Path, dtype: torch.dtype) -> Path:
-    """Where the weights of `gguf_file` loaded as `dtype` are kept: named by the file's path,
-    size and modification time, so a changed file misses."""
+def file_key(gguf_file: Path, *parts: object) -> str:
+    """A name for what is kept of `gguf_file` (with `parts`): its path, size and modification
+    time, so a changed file misses."""
     st = gguf_file.stat()
-    key = f"{gguf_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return directory / f"{gguf_file.stem}-{digest}.safetensors"
+    key = "|".join(map(str, (gguf_file.resolve(), st.st_size, st.st_mtime_ns, *parts, FORMAT)))
+    return f"{gguf_file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def cache_file(directory: Path, gguf_file: Path, dtype: torch.dtype) -> Path:
+    """Where the weights of `gguf_file` loaded as `dtype` are kept."""
+    return directory / f"{file_key(gguf_file, dtype)}.safetensors"
 
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
