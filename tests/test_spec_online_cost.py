@@ -1,8 +1,9 @@
 """The online correction of the step-cost table: the table as is until steps are measured, the
 intercept from decode-only steps, the slope once verify steps measure it, steps with prefill
 chunks fitted apart (their drafts' slope recovered though the chunks shrink as drafts grow), old
-steps forgotten, and the adaptive policy drafting less once the measured cost of a draft is
-higher, with chunks in every step or none."""
+steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
+higher, with chunks in every step or none, and a level error of the table (every step dearer
+than profiled) kept off the drafts' price where the budget stays near its mean."""
 
 from __future__ import annotations
 
@@ -140,3 +141,52 @@ def test_policy_drafts_less_once_mixed_drafts_are_measured_dear() -> None:
         policy.observe_step(64 + drafts + chunk, 64, drafts, mixed_seconds(drafts, chunk))
     # measured: 1.08 ms a draft against 1.8 ms a share: a 0.55 survival does not pay
     assert sum(policy.choose(candidates, 64, 64 + 32)) == 0
+
+
+def level_seconds(drafts: int, chunk: int) -> float:
+    # contexts longer than the profile's (or a busier machine): the decodes take 25 ms more
+    # than the table's 115 ms, a draft row 1.2 ms (the table: 0.83), a chunk token 0.7 ms
+    return 0.140 + 1.2e-3 * drafts + 0.7e-3 * chunk
+
+
+def draft_price(cost: MeasuredCost, chunk: int, drafts: int) -> float:
+    """Seconds a draft row adds, on average over the first `drafts`, to a step with `chunk`."""
+    base = 64 + chunk
+    return (cost.seconds(base + drafts, 64, drafts) - cost.seconds(base, 64)) / drafts
+
+
+def test_a_level_error_is_not_charged_to_drafts() -> None:
+    # the adaptive budget keeps near its mean (30-50 drafts a step, none without): a fit that
+    # cannot tell the level from the slope must not put the table's level error on the drafts
+    cost = MeasuredCost(table())
+    rng = random.Random(5)
+    for _ in range(400):
+        drafts = rng.randint(30, 50)
+        cost.observe(64 + drafts, 64, drafts, level_seconds(drafts, 0) * rng.uniform(0.99, 1.01))
+    for drafts in (8, 40):
+        assert abs(draft_price(cost, 0, drafts) - 1.2e-3) < 0.05 * 1.2e-3
+    assert abs(cost.seconds(104, 64, 40) - level_seconds(40, 0)) < 0.002
+
+
+def test_a_level_error_is_not_charged_to_drafts_beside_chunks() -> None:
+    cost = MeasuredCost(table())
+    rng = random.Random(6)
+    for _ in range(400):
+        drafts, chunk = rng.randint(0, 16), rng.randint(150, 450)
+        seconds = level_seconds(drafts, chunk) * rng.uniform(0.995, 1.005)
+        cost.observe(64 + drafts + chunk, 64, drafts, seconds)
+    for chunk, drafts in ((300, 8), (200, 16)):
+        assert abs(draft_price(cost, chunk, drafts) - 1.2e-3) < 0.05 * 1.2e-3
+
+
+def test_policy_drafts_what_pays_at_the_measured_price() -> None:
+    policy = build_policy("adaptive", 5, table())
+    assert isinstance(policy, AdaptivePolicy)
+    rng = random.Random(7)
+    for _ in range(400):
+        drafts = rng.randint(30, 50)
+        policy.observe_step(64 + drafts, 64, drafts, level_seconds(drafts, 0))
+    # a 64-sequence decode step of 140 ms, 1.2 ms a draft row: a first slot pays from a
+    # survival of 0.55; charged the level error too (1.56 ms a row), from 0.71
+    candidates = [Candidate(f"r{i}", [0.65] * 5, 5) for i in range(8)]
+    assert policy.choose(candidates, 64, 64) == [1] * 8

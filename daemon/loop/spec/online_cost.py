@@ -1,7 +1,8 @@
 """The step-cost table corrected online by the steps the engine runs: per batch-size bucket, and
 apart for steps with and without prefill chunks, a decaying ridge fit of (measured - table)
-seconds against the step's draft tokens and its chunk tokens, so a table profiled on a busy
-machine, or one whose slope misses, stops misleading the policy."""
+seconds against the step's draft tokens and its chunk tokens (centred: a level error stays in
+the intercept), so a table profiled on a busy machine, or one whose slope misses, stops
+misleading the policy."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from daemon.loop.spec.cost import CostTable
 
 MEMORY = 0.98  # weight an observation keeps per later one in its fit: about the last 50
 # the fit's prior, in observations' worth: an intercept of 0 (as good as 2 steps), a draft slope
-# of 0 as good as 2 steps with 8 drafts each, a chunk slope of 0 as good as 2 steps with 256
-# chunk tokens each; so decode-only steps move the intercept alone and the table's slopes stand
-# until steps measure their own
-RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 256.0**2)
+# of 0 as good as 2 steps 8 drafts from the fit's mean, a chunk slope of 0 as good as 2 steps 64
+# chunk tokens from its mean; so decode-only steps move the intercept alone and the table's
+# slopes stand until steps that differ measure their own
+RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 64.0**2)
 FLOOR = 0.25  # a corrected cost never falls below this share of the table's
 
 
@@ -41,15 +42,25 @@ class _Fit:
         self._coef = None
 
     def coef(self) -> tuple[float, float, float]:
-        """(intercept, draft slope, chunk slope) minimising the weighted squares plus the
-        ridge terms."""
+        """(intercept, draft slope, chunk slope): the slopes by ridge regression on the
+        features centred at their weighted means, then the intercept from the mean residual
+        (shrunk by its own ridge term). Centred, the slopes learn only from how the residual
+        moves with the drafts and the chunk: a level error of the table (a busier machine,
+        longer contexts than the profile's) goes to the intercept, not to the drafts when a
+        budget seldom strays far from its mean."""
         if self._coef is None:
+            w, mx, y = self.xx[0][0], self.xx[0][1:], self.xy[0]
             a = [
-                [v + (RIDGE[i] if i == j else 0.0) for j, v in enumerate(r)]
-                for i, r in enumerate(self.xx)
+                [
+                    self.xx[i][j] - mx[i - 1] * mx[j - 1] / w + (RIDGE[i] if i == j else 0.0)
+                    for j in (1, 2)
+                ]
+                for i in (1, 2)
             ]
-            c = _solve(a, list(self.xy))
-            self._coef = (c[0], c[1], c[2])
+            b = [self.xy[i] - mx[i - 1] * y / w for i in (1, 2)]
+            slopes = _solve(a, b)
+            intercept = (y - mx[0] * slopes[0] - mx[1] * slopes[1]) / (w + RIDGE[0])
+            self._coef = (intercept, slopes[0], slopes[1])
         return self._coef
 
 
