@@ -82,7 +82,11 @@ class RequestRecord:
     rejected: bool = False
     prefill_node: int | None = None  # a prefill / decode pair's prefill node
     handoff_bytes: int = 0
-    handoff_s: float | None = None  # when its KV was imported on the decode node
+    # a pair's phases: when the decode node reserved its blocks (its prefill may start), when
+    # the prefill node computed it, when its KV was imported on the decode node
+    reserved_s: float | None = None
+    prefilled_s: float | None = None
+    handoff_s: float | None = None
 
 
 @dataclass
@@ -331,6 +335,7 @@ class Simulation:
         while queue and node.kv.grow(queue[0].req.request_id, queue[0].req.num_prompt_tokens):
             job = queue.popleft()
             assert job.prefill is not None and job.prefill_node is not None
+            job.rec.reserved_s = self.now
             self.jobs[job.prefill.request_id] = job
             self.prefilling[node.index][job.prefill_node.index] += 1
             job.prefill_node.unfinished += 1
@@ -394,6 +399,7 @@ class Simulation:
         when that whole run is), whole blocks of the model's layout."""
         assert job.prefill is not None and job.prefill_node is not None
         del self.jobs[job.prefill.request_id]
+        job.rec.prefilled_s = self.now
         job.rec.cached_by_tier = dict(job.prefill.cache.tokens_by_tier)
         nbytes, seconds, _ = handoff(self.table, job.req.num_prompt_tokens - 1)
         job.rec.handoff_bytes = nbytes

@@ -320,10 +320,11 @@ def _size(
         if best is None:
             print(f"{mode}: nothing up to {args.max_nodes} nodes meets the SLOs")
         else:
+            nodes = best["unified"] or best["prefill"] + best["decode"]
             print(
-                f"{mode}: {best['unified'] or best['prefill']}"
-                + ("" if mode == "unified" else f":{best['decode']}")
-                + f" nodes, host {best['host_gb_per_node']} GB a node: TTFT p99 "
+                f"{mode}: {nodes} nodes"
+                + ("" if mode == "unified" else f", P:D {best['pd_ratio']}")
+                + f", host {best['host_gb_per_node']} GB a node: TTFT p99 "
                 f"{best['ttft_p99_s']} s, TPOT p99 {best['tpot_p99_s']} s"
             )
     print(f"{len(result['trials'])} runs; wrote {out}")

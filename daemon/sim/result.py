@@ -78,7 +78,7 @@ def summarize(run: SimRun) -> dict:
             "written": store.counters.bytes_written if store else 0,
             "read": store.counters.bytes_read if store else 0,
         },
-        "handoff": _handoffs(done),
+        "handoff": _handoffs(done, run.records),
         "moe": _moe(nodes),
         "spec": _spec(nodes),
         "per_node": [
@@ -89,14 +89,33 @@ def summarize(run: SimRun) -> dict:
     }
 
 
-def _handoffs(done: list[RequestRecord]) -> dict:
-    """Prefill / decode pairs' KV handoffs: how many, their bytes, and the time from a
-    request's arrival to its KV on the decode node."""
+def _handoffs(done: list[RequestRecord], records: list[RequestRecord]) -> dict:
+    """Prefill / decode pairs' KV handoffs: how many, their bytes, the time from a request's
+    arrival to its KV on the decode node; and the TTFT in parts (`ttft_parts`) of every request
+    with a first token, finished or not (a run stopped early: those that made it miss)."""
     handed = [r for r in done if r.handoff_s is not None]
     return {
         "count": len(handed),
         "bytes": sum(r.handoff_bytes for r in handed),
         "arrival_to_kv_s": percentiles([r.handoff_s - r.arrival_s for r in handed]),  # type: ignore[operator]
+        "ttft_parts_s": ttft_parts(records),
+    }
+
+
+def ttft_parts(records: list[RequestRecord]) -> dict[str, dict[str, float | None]]:
+    """A pair's TTFT, phase by phase: waiting for the decode node to reserve the prompt's
+    blocks, the prefill (its queue and compute), the handoff (export, link, import), and the
+    decode node's first token (admission and the last prompt token)."""
+    whole = [
+        r
+        for r in records
+        if None not in (r.reserved_s, r.prefilled_s, r.handoff_s, r.first_token_s)
+    ]
+    edges = ("arrival_s", "reserved_s", "prefilled_s", "handoff_s", "first_token_s")
+    names = ("decode_kv_wait", "prefill", "handoff", "first_token")
+    return {
+        name: percentiles([getattr(r, b) - getattr(r, a) for r in whole])
+        for name, a, b in zip(names, edges[:-1], edges[1:], strict=True)
     }
 
 
