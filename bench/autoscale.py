@@ -321,6 +321,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path)
     p.add_argument("--sim-table", type=Path, help="a `deepinfer profile` table: simulate too")
     p.add_argument(
+        "--sim-request-ms", type=float, default=0.0,
+        help="the simulated nodes' HTTP front per request leg (tokenizing, the handoff's calls), "
+        "which the profiled table leaves out",
+    )  # fmt: skip
+    p.add_argument(
         "--sim-profile", action="store_true",
         help="profile the bench's model as a node runs it (its quota), then simulate with that",
     )  # fmt: skip

@@ -82,7 +82,10 @@ def shift(args: argparse.Namespace, table_path: Path) -> list[dict]:
         global_dwell_s=args.global_dwell_s,
     )  # fmt: skip
     node = NodeConfig(args.kv_gb * GB, 0, args.max_num_seqs, args.max_num_batched_tokens)
-    cfg = PDConfig(2, 2, node, window_s=args.window_s, handoff_min_tokens=args.handoff_min_tokens)
+    cfg = PDConfig(
+        2, 2, node, window_s=args.window_s, handoff_min_tokens=args.handoff_min_tokens,
+        request_s=args.sim_request_ms / 1000,
+    )  # fmt: skip
     return compare(CostTable.load(table_path), trace, cfg, t, args.phase_s)
 
 

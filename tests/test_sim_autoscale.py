@@ -100,3 +100,16 @@ def test_short_prompts_are_computed_on_their_decode_node() -> None:
     run = simulate_pd(table(), short + [TraceRequest(2.5, 2048, 2, (99, 100, 101, 102))], cfg)
     assert [r.prefill_node for r in run.records] == [-1] * 20 + [0]
     assert all(r.decode_node == 1 and r.finish_s is not None for r in run.records)
+
+
+def test_each_leg_waits_for_its_nodes_front() -> None:
+    # three prompts at once on one prefill node: each leg takes the front's 0.5 s in turn, on
+    # the prefill node and again on the decode node
+    burst = [TraceRequest(0.0, 2048, 2, (3 * i, 3 * i + 1, 3 * i + 2)) for i in range(3)]
+    plain = simulate_pd(table(), burst, PDConfig(1, 1, NODE)).records
+    fronted = simulate_pd(table(), burst, PDConfig(1, 1, NODE, request_s=0.5)).records
+    for a, b in zip(plain, fronted):
+        assert a.first_token_s is not None and b.first_token_s is not None
+        assert b.first_token_s - a.first_token_s >= 0.5 - 1e-9
+    # the third prompt's prefill leg reached its scheduler only after 3 x 0.5 s
+    assert fronted[2].first_token_s >= 1.5 + 1.0

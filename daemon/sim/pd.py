@@ -18,7 +18,7 @@ from daemon.cluster.slo_window import SloWindow
 from daemon.kv.request_state import PrefixState
 from daemon.loop.request import Request, SamplingParams
 from daemon.sim.cluster import VOCAB
-from daemon.sim.node import NodeConfig, SimNode
+from daemon.sim.node import NodeConfig, SimNode, Transfer
 from daemon.sim.result import percentiles
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
@@ -37,6 +37,10 @@ class PDConfig:
     window_s: float = 10.0
     time_scale: float = 1.0
     handoff_min_tokens: int = 0  # a shorter prompt is computed on its decode node (no handoff)
+    # a node's HTTP front: seconds of the node's own time per request leg (parsing,
+    # tokenizing, the handoff's calls) before its scheduler has it, taken with the node's next
+    # run: on a node of a few cores the event loop and the forward share them
+    request_s: float = 0.0
 
 
 @dataclass
@@ -164,8 +168,15 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
 
     def admit(n: int, req: Request, handoff: bool = False) -> None:
         """`handoff`: the prompt's full blocks come from the prefill node (all of them)."""
+        c.nodes[n].unfinished += 1
+        if cfg.request_s > 0:  # through the node's front first, with its next run
+            c.nodes[n].transfers.append(Transfer("front", (req, handoff), cfg.request_s))
+            kick(n)
+            return
+        fronted(n, req, handoff)
+
+    def fronted(n: int, req: Request, handoff: bool) -> None:
         node = c.nodes[n]
-        node.unfinished += 1
         keys = node.prefix.store_keys(req)
         if keys and handoff:
             seconds = node.table.store_read.seconds(len(keys) * node.block_bytes)
@@ -210,7 +221,10 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
             kick(n)
         elif kind == STEP_DONE:
             assert isinstance(what, int)
-            for req, done in c.nodes[what].finish_step()[0]:
+            finished, carried = c.nodes[what].finish_step()
+            for t in carried:  # fronts done: their requests reach the scheduler
+                fronted(what, *t.job)  # type: ignore[misc]
+            for req, done in finished:
                 _, rec, decode = legs[req.request_id]
                 if decode and rec.first_token_s is None:
                     rec.first_token_s = now
