@@ -81,15 +81,12 @@ class DeviceImageEncoder:
 
     async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._run, list(images))
+        # the pixel work on a worker thread, not the vision thread: there it ran ~10x slower
+        # under a CPU quota (bench/encoder.py --node-cpus 0.5; cause not pinned down)
+        pixel_values = await asyncio.to_thread(_pixels, list(images))
+        return await loop.run_in_executor(self._pool, self._run, pixel_values)
 
-    def _run(self, images: list[ImageInput]) -> torch.Tensor:
-        pixels = []
-        for im in images:
-            if im.pixels is None:
-                raise EncoderFailed("an image has no pixels to encode on this node")
-            pixels.append(im.pixels())
-        pixel_values = torch.stack(pixels)
+    def _run(self, pixel_values: torch.Tensor) -> torch.Tensor:
         try:
             with torch.inference_mode():
                 out = self.model.encode_images(pixel_values.to(self.device))
@@ -99,6 +96,16 @@ class DeviceImageEncoder:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pixels(images: list[ImageInput]) -> torch.Tensor:
+    """[images, 3, H, W]: each image's pixels made (raises ImageRejected)."""
+    pixels = []
+    for im in images:
+        if im.pixels is None:
+            raise EncoderFailed("an image has no pixels to encode on this node")
+        pixels.append(im.pixels())
+    return torch.stack(pixels)
 
 
 @dataclass
