@@ -1,6 +1,6 @@
 """Images in Chat Completions on a tiny random LLaVA: greedy output equal to transformers' for the
-same image and text, each image encoded once (by content hash, counted in /metrics), the image in
-the prefix-cache keys, and the limits and undecodable images as 400s in OpenAI's shape."""
+same image and text, each image preprocessed and encoded once (by content hash, counted in
+/metrics), the image in the prefix-cache keys, and the limits and undecodable images as 400s in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -153,12 +153,14 @@ def test_output_equals_transformers_and_image_encoded_once(client, server, llava
     image = png(1)
     encoded = metric(server, "images_encoded")
     hits = metric(server, "image_cache_hits")
+    preprocessed = metric(server, "images_preprocessed")
     first, tokens = chat_tokens(client, data_url(image))
     text_tokens = first.usage.prompt_tokens - IMAGE_TOKENS
     assert first.usage.prompt_tokens == text_tokens + IMAGE_TOKENS
     again, tokens_again = chat_tokens(client, data_url(image))
     assert tokens_again == tokens
     assert metric(server, "images_encoded") == encoded + 1  # the second one from the cache
+    assert metric(server, "images_preprocessed") == preprocessed + 1  # its pixels made once
     assert metric(server, "image_cache_hits") == hits + 1
     tok = TextTokenizer(llava_chat_dir, {})
     expected = reference_tokens(llava_chat_dir, image, 4)
@@ -189,6 +191,8 @@ def test_different_image_same_text_shares_only_the_text(client, server, llava_ch
     "url, param, words",
     [
         (data_url(b"not an image at all"), "messages[0].content[1].image_url", "decoded"),
+        # its header reads, its pixels do not: refused where they are made (the encoding)
+        (data_url(png(3)[:80]), "messages[0].content[1].image_url", "decoded"),
         ("data:image/png;base64,@@@", "messages[0].content[1].image_url", "base64"),
         ("http://127.0.0.1:9/x.png", "messages[0].content[1].image_url", "scheme 'http'"),
         ("file:///etc/passwd", "messages[0].content[1].image_url", "scheme 'file'"),

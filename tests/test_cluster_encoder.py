@@ -1,7 +1,9 @@
 """The encoder role on real daemon processes: a node whose images are encoded by an encoder node
 (`--role encoder`, found in the node's registry) answers as a single node encoding its own (a
-Messages `image` block as a chat `image_url` part); a dead encoder is passed over for the next; with none left, a 503 in OpenAI's shape, while
-text-only requests never wait."""
+Messages `image` block as a chat `image_url` part); the node never decodes or preprocesses an
+image's pixels, the encoder node only those it has no embeddings for; an image the encoder
+cannot decode is the node's 400; a dead encoder is passed over for the next; with none left, a
+503 in OpenAI's shape, while text-only requests never wait."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from anthropic import Anthropic
-from openai import APIStatusError, OpenAI
+from openai import APIStatusError, BadRequestError, OpenAI
 
 from daemon.cluster.image_wire import EncodedImages, pack_encoded
 from daemon.service.live_server import free_port
@@ -93,13 +95,19 @@ def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir
         image = png(7)
         remote = answer(node, image)  # the dead encoder first, then the live one
         assert metric(node, "images_encoded") == 1  # by the cache's count, remotely
+        assert metric(node, "images_preprocessed") == 0  # its pixels are the encoder's work
         assert metric(enc, "images_encoded") == 1
+        assert metric(enc, "images_preprocessed") == 1
         single = answer(enc, image)  # the encoder node as a single node: its own tower
         assert metric(enc, "images_encoded") == 1  # found in its cache by content hash
+        assert metric(enc, "images_preprocessed") == 1  # looked up before any pixel work
         assert remote == single
         other = answer(enc, png(8))  # a different image changes the answer
         assert other != single
+        # sent to the encoder node a second time (the node has not seen it): from its cache
         assert answer(node, png(8)) == other
+        assert metric(enc, "images_encoded") == 2
+        assert metric(enc, "images_preprocessed") == 2
         # a Messages `image` block goes the same way: to the encoder node, the chat answer
         encoded = metric(enc, "images_encoded")
         claude = Anthropic(base_url=node, api_key="x", max_retries=0, timeout=60)
@@ -113,6 +121,15 @@ def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir
             model=NAME, messages=chat_equal(data_url(png(10))), max_tokens=4, temperature=0
         )
         assert msg.content[0].text == same.choices[0].message.content
+        # a header that reads but pixels that do not: the encoder's 400, the node's, naming
+        # where the request has the image
+        with pytest.raises(BadRequestError) as bad:
+            chat.chat.completions.create(
+                model=NAME, messages=messages(data_url(png(3)[:80])), max_tokens=2
+            )
+        assert bad.value.body["param"] == "messages[0].content[1].image_url"
+        assert "decoded" in bad.value.body["message"]
+        assert metric(node, "images_preprocessed") == 0
         # the wire carries the images as sent: one whose digest is not its sha256 is refused
         lying = EncodedImages([png(1)], [hashlib.sha256(png(2)).digest()], "fp")
         post = urllib.request.Request(enc + "/cluster/v1/encode", data=pack_encoded(lying))

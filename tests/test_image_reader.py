@@ -12,6 +12,7 @@ import torch
 
 from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.images import ImageLimits, ImageReader, ImageRef, expand_placeholders
+from daemon.loop.images import ImageRejected
 from daemon.models.checkpoints import LLAVA_IMAGE_SIZE
 from tests.test_api_images import data_url, png
 
@@ -53,13 +54,23 @@ def image_server() -> Iterator[str]:
 
 def test_data_urls_read_and_hashed() -> None:
     a, b = reader().read([ImageRef(data_url(png(1)), "p0"), ImageRef(data_url(png(2)), "p1")])
-    assert a.pixel_values.shape == (3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE)
-    assert a.data == png(1)
-    # an encoder node's way: the bytes as sent, the same pixels
-    assert torch.equal(reader().pixels(a.data, "images[0]"), a.pixel_values)
+    assert a.data == png(1) and a.size == (40, 30)  # from the header: no pixels made yet
+    # its pixels, made only where it is encoded (an encoder node's way: the bytes as sent)
+    image = reader().input(a.digest, a.data, 5, "p0")
+    assert (image.start, image.param) == (5, "p0")
+    assert image.pixels is not None
+    assert image.pixels().shape == (3, LLAVA_IMAGE_SIZE, LLAVA_IMAGE_SIZE)
+    assert torch.equal(reader().pixels(a.data, "images[0]"), image.pixels())
     with pytest.raises(CodecError, match="could not be decoded") as e:
         reader().pixels(b"GIF89a broken", "images[1]")
     assert e.value.param == "images[1]"
+    # a header that reads but pixels that do not: refused when its pixels are made
+    (cut,) = reader().read([ImageRef(data_url(png(3)[:80]), "p2")])
+    pixels = reader().input(cut.digest, cut.data, 0, "p2").pixels
+    assert pixels is not None
+    with pytest.raises(ImageRejected, match="could not be decoded") as rejected:
+        pixels()
+    assert rejected.value.param == "p2"
     with pytest.raises(CodecError, match="at most 100"):
         reader(max_bytes=100).pixels(a.data, "images[0]")
     assert a.digest != b.digest

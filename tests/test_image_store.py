@@ -1,10 +1,11 @@
 """Image embeddings in the block store: written after an encoding, read on a host miss before
 encoding again, so a node started again over the same store (real files) encodes nothing; a
-corrupted file is a miss (encoded, written again)."""
+corrupted file is a miss (encoded, written again); an image found there has no pixels made."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ async def test_embeddings_outlive_the_node_in_the_block_store(
     llava_chat_dir: Path, tmp_path: Path
 ) -> None:
     _, image = prompt_and_image(llava_chat_dir, 21)
+    made, pixels = [], image.pixels
+    assert pixels is not None
+    image = replace(image, pixels=lambda: made.append(1) or pixels())  # counts the pixel work
     first = node(llava_chat_dir, tmp_path)
     spans = await first.spans([image])
     assert (first.stats.encoded, first.stats.store_hits) == (1, 0)
@@ -42,6 +46,7 @@ async def test_embeddings_outlive_the_node_in_the_block_store(
     again = node(llava_chat_dir, tmp_path)  # the node started again: an empty host cache
     found = await again.spans([image])
     assert (again.stats.encoded, again.stats.store_hits) == (0, 1)
+    assert len(made) == 1  # found in the store before its pixels were made again
     assert torch.equal(found[0].embeds, spans[0].embeds)
     await again.spans([image])  # now from host memory
     assert (again.stats.encoded, again.stats.store_hits, again.stats.hits) == (0, 1, 1)

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs
 def prompt_and_image(model: Path, seed: int) -> tuple[list[int], ImageInput]:
     data = png(seed)
     ids, pixels, i = image_prompt(model, data)
-    return ids, ImageInput(hashlib.sha256(data).digest(), pixels[0], i)
+    return ids, ImageInput(hashlib.sha256(data).digest(), i, data, lambda: pixels[0])
 
 
 async def until(check, timeout: float = 30.0) -> None:

@@ -1,6 +1,8 @@
 """A node's image encoder on encoder nodes: `POST <encoder>/cluster/v1/encode` with the images
-as sent (encoded bytes: the encoder node decodes and preprocesses them), the embeddings back; each encoder in turn until one answers in time. The
-encoders: those the settings name, then those registered with this node's registries."""
+as sent (encoded bytes: only the encoder node decodes and preprocesses them), the embeddings
+back; each encoder in turn until one answers in time (an image it finds undecodable is the
+request's fault: no other is asked). The encoders: those the settings name, then those
+registered with this node's registries."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 import aiohttp
+import orjson
 import structlog
 import torch
 
@@ -21,7 +24,7 @@ from daemon.cluster.image_wire import (
     unpack,
 )
 from daemon.cluster.registry_routes import NODES
-from daemon.loop.images import EncoderFailed, ImageEncoder, ImageInput
+from daemon.loop.images import EncoderFailed, ImageEncoder, ImageInput, ImageRejected
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +79,7 @@ class HttpImageEncoder:
         errors = []
         for url in urls:
             try:
-                out = await asyncio.wait_for(self._post(url, body), self.timeout_s)
+                out = await asyncio.wait_for(self._post(url, body, images), self.timeout_s)
             except (TimeoutError, aiohttp.ClientError, OSError, PayloadError, EncoderFailed) as e:
                 reason = "timeout" if isinstance(e, TimeoutError) else str(e) or type(e).__name__
                 log.warning("image_encoder_failed", encoder=url, error=reason[:300])
@@ -120,9 +123,11 @@ class HttpImageEncoder:
             raise ValueError("the registry's list has no data")
         return [n["url"] for n in data if isinstance(n, dict) and isinstance(n.get("url"), str)]
 
-    async def _post(self, url: str, body: bytes) -> ImagePayload:
+    async def _post(self, url: str, body: bytes, images: Sequence[ImageInput]) -> ImagePayload:
         headers = {"Content-Type": ENCODED_CONTENT_TYPE} | self.auth
         async with self._client().post(url + ENCODE_PATH, data=body, headers=headers) as r:
+            if r.status == 400:
+                _rejected(await r.read(), images)
             if r.status != 200:
                 raise EncoderFailed(f"answered {r.status}: {(await r.text())[:200]}")
             data = await r.read()
@@ -142,3 +147,18 @@ class HttpImageEncoder:
             self._session = None
         if self.fallback is not None:
             await self.fallback.close()
+
+
+def _rejected(body: bytes, images: Sequence[ImageInput]) -> None:
+    """An encoder's 400 naming one of `images` (`images[i]`, a header or a pixel it could not
+    decode) as ImageRejected naming where the request has it; other 400s: EncoderFailed."""
+    try:
+        error = orjson.loads(body)["error"]
+        message, param = str(error["message"]), str(error["param"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise EncoderFailed(f"answered 400: {body[:200]!r}") from None
+    if param.startswith("images[") and param.endswith("]"):
+        i = param[len("images[") : -1]
+        if i.isdigit() and int(i) < len(images):
+            raise ImageRejected(message, images[int(i)].param)
+    raise EncoderFailed(f"answered 400: {message[:200]}")

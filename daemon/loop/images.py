@@ -22,12 +22,24 @@ STORE_KEY_BYTES = 16  # a block store key's size (the embeddings' key, cut)
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image of a prompt, preprocessed by the model's processor."""
+    """One image of a prompt. Its pixels are made (decoded, preprocessed) only by the encoder
+    that encodes it on its own tower, after the caches missed: never for an image sent to an
+    encoder node, nor for one whose embeddings are cached."""
 
     digest: bytes  # sha256 of the image's bytes
-    pixel_values: torch.Tensor  # [3, H, W]
     start: int  # prompt position of its first placeholder token
     data: bytes = b""  # the image as sent (encoded): what an encoder node is given
+    pixels: Callable[[], torch.Tensor] | None = None  # [3, H, W]; raises ImageRejected
+    param: str = "image"  # where the request has it
+
+
+class ImageRejected(ValueError):
+    """An image that can never be encoded (undecodable): the request's fault, not the
+    encoder's."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,12 @@ class ImageSpan:
 
 
 class ImageEncoder(Protocol):
-    """Turns images into their embeddings; raises EncoderFailed when it cannot."""
+    """Turns images into their embeddings; raises EncoderFailed when it cannot, ImageRejected
+    for an image that cannot be decoded."""
 
     async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
-        """[images, image_tokens, hidden] host embeddings of `images` (their pixels here; an
-        encoder node is sent their bytes and digests, and has a cache of its own)."""
+        """[images, image_tokens, hidden] host embeddings of `images` (their pixels made here;
+        an encoder node is sent their bytes and digests, and has a cache of its own)."""
         ...
 
     async def close(self) -> None: ...
@@ -68,7 +81,9 @@ class DeviceImageEncoder:
 
     async def encode(self, images: Sequence[ImageInput]) -> torch.Tensor:
         loop = asyncio.get_running_loop()
-        pixel_values = torch.stack([im.pixel_values for im in images])
+        # the pixel work on a worker thread, not the vision thread: there it ran ~10x slower
+        # under a CPU quota (bench/encoder.py --node-cpus 0.5; cause not pinned down)
+        pixel_values = await asyncio.to_thread(_pixels, list(images))
         return await loop.run_in_executor(self._pool, self._run, pixel_values)
 
     def _run(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -81,6 +96,16 @@ class DeviceImageEncoder:
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pixels(images: list[ImageInput]) -> torch.Tensor:
+    """[images, 3, H, W]: each image's pixels made (raises ImageRejected)."""
+    pixels = []
+    for im in images:
+        if im.pixels is None:
+            raise EncoderFailed("an image has no pixels to encode on this node")
+        pixels.append(im.pixels())
+    return torch.stack(pixels)
 
 
 @dataclass
@@ -150,7 +175,8 @@ class ImageEmbeddings:
         return hashlib.sha256(self.fingerprint + digest).digest()
 
     async def spans(self, images: Sequence[ImageInput]) -> list[ImageSpan]:
-        """The embeddings of `images`, each encoded at most once (raises EncoderFailed)."""
+        """The embeddings of `images`, each encoded at most once (raises EncoderFailed, or
+        ImageRejected); an image is looked up (host, then store) before its pixels are made."""
         keys = [self.key(im.digest) for im in images]
         found: dict[bytes, torch.Tensor] = {}
         waits: dict[bytes, asyncio.Future[torch.Tensor]] = {}
@@ -191,8 +217,10 @@ class ImageEmbeddings:
         except BaseException as e:  # cancelled too (the engine stopping): nobody waits on
             failed = e if isinstance(e, EncoderFailed) else EncoderFailed(str(e) or repr(e))
             for fut in futures.values():
-                fut.set_exception(failed)
+                fut.set_exception(failed)  # an image rejected: others' requests may retry (503)
                 fut.exception()  # retrieved: nobody else may be waiting
+            if isinstance(e, ImageRejected):
+                raise
             if not isinstance(e, Exception):
                 raise
             raise failed from None

@@ -108,7 +108,7 @@ class DenseChatCodec:
     async def prompt(
         self, body: JsonObject, tools: ToolRequest, refs: list[ImageRef]
     ) -> tuple[list[int], list[ImageInput]]:
-        """The prompt's ids and its images `refs` (read and preprocessed), both off the event
+        """The prompt's ids and its images `refs` (read and checked), both off the event
         loop (rendering and tokenizing a long conversation takes a while too). The messages'
         text holds one image token per image (image_url parts are rendered as one)."""
         reader = self.images
@@ -132,4 +132,6 @@ class DenseChatCodec:
                 f"the images could not be read within {reader.limits.fetch_timeout_s} s",
                 refs[0].param,
             ) from None
-        return ids, [ImageInput(r.digest, r.pixel_values, s, r.data) for r, s in zip(read, starts)]
+        return ids, [
+            reader.input(r.digest, r.data, s, ref.param) for r, s, ref in zip(read, starts, refs)
+        ]

@@ -1,6 +1,6 @@
 """A request's images: their sources read (data URLs; other schemes only where the settings
-allow them, through deepseek-recipe's fetcher), held to the limits, decoded and preprocessed by
-the model's own image processor."""
+allow them, through deepseek-recipe's fetcher), held to the limits by their bytes and headers,
+and decoded and preprocessed by the model's own image processor only where they are encoded."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
 import urllib.parse
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from daemon.api.codecs.base import CodecError
+from daemon.loop.images import ImageInput, ImageRejected
 
 SCHEMES = ("data", "http", "https")
 
@@ -39,12 +42,15 @@ class ImageRef:
 @dataclass(frozen=True)
 class ReadImage:
     digest: bytes  # sha256 of the image's bytes
-    pixel_values: torch.Tensor  # [3, H, W]
     data: bytes  # the image's bytes
+    size: tuple[int, int]  # width, height, from its header
 
 
 class ImageReader:
-    """Reads a request's image references into preprocessed images (blocking: in a thread).
+    """Reads a request's image references (blocking: in a thread): their bytes, held to the
+    limits with their headers (format, size), and their content hash. Their pixels are made
+    later, by `input`'s ImageInput, only where an image is encoded (not for one an encoder node
+    encodes, nor one whose embeddings are cached).
 
     The placeholder count per image is the MODEL's (its processor expands one image token into
     `image_tokens`), not deepseek-recipe's image token calculation, which is DeepSeek-V4's."""
@@ -56,6 +62,8 @@ class ImageReader:
         self.limits = limits
         self.image_token_id = image_token_id
         self.image_tokens = image_tokens
+        self.preprocessed = 0  # images decoded and preprocessed (`pixels`), for /metrics
+        self._count = threading.Lock()  # `pixels` runs on worker threads
         self._fetcher: Any = None
         if set(limits.schemes) - {"data"}:  # the network only where the settings allow it
             from deepseek_recipe import ReqwestImageFetcher
@@ -93,19 +101,44 @@ class ImageReader:
                 raise CodecError(
                     f"the request's images exceed {self.limits.max_total_bytes} bytes", ref.param
                 )
-            out.append(ReadImage(hashlib.sha256(data).digest(), self._pixels(data, ref), data))
+            size = self._header(data, ref.param)
+            out.append(ReadImage(hashlib.sha256(data).digest(), data, size))
         return out
 
-    def pixels(self, data: bytes, param: str) -> torch.Tensor:
-        """An image's bytes (as an encoder node is sent them) held to the per-image limits,
-        decoded and preprocessed; CodecError names `param`."""
-        ref = ImageRef("", param)
+    def check(self, data: bytes, param: str) -> tuple[int, int]:
+        """An image's bytes (as an encoder node is sent them) held to the per-image limits by
+        their size and header; its width and height. CodecError names `param`."""
         if len(data) > self.limits.max_bytes:
             raise CodecError(
                 f"the image has {len(data)} bytes; at most {self.limits.max_bytes} are allowed",
                 param,
             )
-        return self._pixels(data, ref)
+        return self._header(data, param)
+
+    def pixels(self, data: bytes, param: str) -> torch.Tensor:
+        """An image's bytes checked, decoded and preprocessed: [3, H, W]; CodecError names
+        `param`."""
+        from PIL import Image
+
+        self.check(data, param)
+        try:
+            image = Image.open(io.BytesIO(data)).convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError):
+            raise _undecodable(param) from None
+        pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+        with self._count:
+            self.preprocessed += 1
+        return pixels[0].float()
+
+    def input(self, digest: bytes, data: bytes, start: int, param: str) -> ImageInput:
+        """The image (checked already) as the engine takes it: its pixels made when called."""
+        return ImageInput(digest, start, data, partial(self._rejecting, data, param), param)
+
+    def _rejecting(self, data: bytes, param: str) -> torch.Tensor:
+        try:
+            return self.pixels(data, param)
+        except CodecError as e:  # the engine's kind: the loop knows nothing of codecs
+            raise ImageRejected(e.message, param) from None
 
     def _bytes(self, ref: ImageRef) -> bytes:
         scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
@@ -132,28 +165,25 @@ class ImageReader:
         except ImageError as e:
             raise CodecError(f"the image could not be fetched: {e}", ref.param) from None
 
-    def _pixels(self, data: bytes, ref: ImageRef) -> torch.Tensor:
+    def _header(self, data: bytes, param: str) -> tuple[int, int]:
+        """Width and height from the image's header (its pixels are not decoded), within the
+        pixel limit."""
         from PIL import Image, UnidentifiedImageError
 
-        undecodable = CodecError(
-            "the image could not be decoded (png, jpeg, gif and webp are read)", ref.param
-        )
         try:
-            image = Image.open(io.BytesIO(data))  # reads the header only
+            w, h = Image.open(io.BytesIO(data)).size  # reads the header only
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
-            raise undecodable from None
-        w, h = image.size
+            raise _undecodable(param) from None
         if w * h > self.limits.max_pixels:
             raise CodecError(
                 f"the image has {w}x{h} pixels; at most {self.limits.max_pixels} are allowed",
-                ref.param,
+                param,
             )
-        try:
-            image = image.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError):
-            raise undecodable from None
-        pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"]
-        return pixels[0].float()
+        return w, h
+
+
+def _undecodable(param: str) -> CodecError:
+    return CodecError("the image could not be decoded (png, jpeg, gif and webp are read)", param)
 
 
 def _data_url(ref: ImageRef) -> bytes:

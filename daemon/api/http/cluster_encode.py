@@ -1,7 +1,7 @@
 """An encoder node's `POST /cluster/v1/encode`: the images as sent in (encoded bytes, each
-checked against its digest), decoded and preprocessed here by the model's processor, their
-embeddings out (the image payload format), through this node's content-hash cache and vision
-tower."""
+checked against its digest and held to the limits by its header), their embeddings out (the
+image payload format) through this node's content-hash cache; only the images it misses are
+decoded and preprocessed here, for the vision tower."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from daemon.cluster.image_wire import (
     pack,
     unpack_encoded,
 )
-from daemon.loop.images import EncoderFailed, ImageInput
+from daemon.loop.images import EncoderFailed, ImageRejected
 
 MAX_IMAGE_PAYLOAD_BYTES = 256 << 20
 
@@ -38,15 +38,19 @@ async def encode(request: web.Request) -> web.Response:
     if payload.fingerprint != fingerprint:
         raise ApiError(409, "the images are for another model", code="fingerprint")
     state.check_engine()
-    # decoded and preprocessed off the loop; a bad image is a 400 naming its index
-    pixels = await asyncio.to_thread(
-        lambda: [reader.pixels(data, f"images[{i}]") for i, data in enumerate(payload.images)]
+    params = [f"images[{i}]" for i in range(len(payload.images))]
+    # headers read off the loop; a bad image is a 400 naming its index
+    await asyncio.to_thread(
+        lambda: [reader.check(data, param) for data, param in zip(payload.images, params)]
     )
     inputs = [
-        ImageInput(d, px, 0, data) for d, px, data in zip(payload.digests, pixels, payload.images)
+        reader.input(d, data, 0, param)
+        for d, data, param in zip(payload.digests, payload.images, params)
     ]
     try:
         spans = await images.spans(inputs)
+    except ImageRejected as e:
+        raise bad_request(str(e), e.param) from None
     except EncoderFailed as e:
         raise unavailable(f"the images could not be encoded: {e}") from None
     out = torch.stack([s.embeds for s in spans])

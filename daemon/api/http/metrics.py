@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
+from daemon.api.codecs.images import ImageReader
 from daemon.api.http.state import get_state
 
 routes = web.RouteTableDef()
@@ -23,6 +27,23 @@ class HttpErrors:
 
     def on_error(self, status: int, kind: str) -> None:
         self.errors.labels(str(status), kind).inc()
+
+
+class ImagesPreprocessed:
+    """The images this node decoded and preprocessed (for its own vision tower: none for those
+    an encoder node encodes, or whose embeddings were cached), read from the reader at scrape
+    time."""
+
+    def __init__(self, reader: ImageReader, registry: CollectorRegistry) -> None:
+        self.reader = reader
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "deepinfer:images_preprocessed",
+            "Images decoded and preprocessed for this node's vision tower.",
+            value=self.reader.preprocessed,
+        )
 
 
 @routes.get("/metrics")

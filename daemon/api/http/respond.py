@@ -17,7 +17,7 @@ from daemon.api.http.errors import anthropic_error_body, bad_request, is_anthrop
 from daemon.api.http.fanout import FanOut, submit_all
 from daemon.api.http.sse import SSEWriter
 from daemon.loop.engine import Engine, RequestRejected
-from daemon.loop.images import EncoderFailed, ImageSpan
+from daemon.loop.images import EncoderFailed, ImageRejected, ImageSpan
 from daemon.loop.request import FinishReason, Request
 
 log = structlog.get_logger(__name__)
@@ -59,7 +59,7 @@ async def _images_ready(
     except BaseException as e:
         for req in reqs:
             engine.abort(req.request_id)
-        if isinstance(e, RequestRejected):
+        if isinstance(e, RequestRejected | ImageRejected):
             raise bad_request(str(e), e.param) from None
         if isinstance(e, EncoderFailed):
             log.warning("image_encoding_failed", request_id=call_id, error=str(e))

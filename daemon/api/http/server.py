@@ -99,6 +99,8 @@ def create_app(
         api_key=server_cfg.api_key,
         metrics=metrics,
     )
+    if (reader := app[STATE].codecs.images) is not None:
+        metrics_route.ImagesPreprocessed(reader, metrics.registry)
     app[stored_responses.RESPONSE_STORE] = store
     for endpoint in ENDPOINTS:
         endpoint.register(app)
