@@ -326,6 +326,10 @@ def parser() -> argparse.ArgumentParser:
         "which the profiled table leaves out",
     )  # fmt: skip
     p.add_argument(
+        "--sim-request-ms-per-token", type=float, default=0.0,
+        help="and per prompt token of the leg that takes a request in",
+    )  # fmt: skip
+    p.add_argument(
         "--sim-profile", action="store_true",
         help="profile the bench's model as a node runs it (its quota), then simulate with that",
     )  # fmt: skip

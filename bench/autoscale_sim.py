@@ -85,6 +85,7 @@ def shift(args: argparse.Namespace, table_path: Path) -> list[dict]:
     cfg = PDConfig(
         2, 2, node, window_s=args.window_s, handoff_min_tokens=args.handoff_min_tokens,
         request_s=args.sim_request_ms / 1000,
+        request_s_per_token=args.sim_request_ms_per_token / 1000,
     )  # fmt: skip
     return compare(CostTable.load(table_path), trace, cfg, t, args.phase_s)
 

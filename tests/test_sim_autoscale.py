@@ -113,3 +113,12 @@ def test_each_leg_waits_for_its_nodes_front() -> None:
         assert b.first_token_s - a.first_token_s >= 0.5 - 1e-9
     # the third prompt's prefill leg reached its scheduler only after 3 x 0.5 s
     assert fronted[2].first_token_s >= 1.5 + 1.0
+
+
+def test_the_front_per_token_is_paid_by_the_leg_that_takes_the_request_in() -> None:
+    one = [TraceRequest(0.0, 2048, 2, (0, 1, 2, 3))]
+    plain = simulate_pd(table(), one, PDConfig(1, 1, NODE)).records[0]
+    paid = simulate_pd(table(), one, PDConfig(1, 1, NODE, request_s_per_token=0.001)).records[0]
+    assert plain.first_token_s is not None and paid.first_token_s is not None
+    # 2.048 s on the prefill node; the decode leg (a handoff) pays none
+    assert paid.first_token_s - plain.first_token_s == pytest.approx(2.048, abs=0.05)

@@ -39,8 +39,10 @@ class PDConfig:
     handoff_min_tokens: int = 0  # a shorter prompt is computed on its decode node (no handoff)
     # a node's HTTP front: seconds of the node's own time per request leg (parsing,
     # tokenizing, the handoff's calls) before its scheduler has it, taken with the node's next
-    # run: on a node of a few cores the event loop and the forward share them
+    # run: on a node of a few cores the event loop and the forward share them; and per prompt
+    # token of the leg that takes the request in (tokenizing, the KV export it leads to)
     request_s: float = 0.0
+    request_s_per_token: float = 0.0
 
 
 @dataclass
@@ -169,8 +171,11 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
     def admit(n: int, req: Request, handoff: bool = False) -> None:
         """`handoff`: the prompt's full blocks come from the prefill node (all of them)."""
         c.nodes[n].unfinished += 1
-        if cfg.request_s > 0:  # through the node's front first, with its next run
-            c.nodes[n].transfers.append(Transfer("front", (req, handoff), cfg.request_s))
+        front = cfg.request_s + (
+            0.0 if handoff else cfg.request_s_per_token * req.num_prompt_tokens
+        )
+        if front > 0:  # through the node's front first, with its next run
+            c.nodes[n].transfers.append(Transfer("front", (req, handoff), front))
             kick(n)
             return
         fronted(n, req, handoff)
