@@ -98,13 +98,15 @@ class SimNode:
         )
         self.store = store
         self.prefix = PrefixCache(self.kv, self.queue, SALT, store=store)  # type: ignore[arg-type]
-        self.spec = SimSpeculation(cfg.spec, table, index) if cfg.spec is not None else None
+        self.spec = (
+            SimSpeculation(cfg.spec, table, index, self._mean_context)
+            if cfg.spec is not None
+            else None
+        )
         self.scheduler = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix,
             self.spec.speculator if self.spec is not None else None,
         )  # fmt: skip
-        if self.spec is not None:
-            self.spec.scheduler = self.scheduler
         # what a block copied to host memory holds: a stride-0 view, its size without its bytes
         self._payload = torch.zeros(1, dtype=torch.uint8).expand(self.block_bytes)
         self.running: Running | None = None
@@ -176,6 +178,10 @@ class SimNode:
         c.busy_s += seconds
         return Running(step, ops, start + seconds, transfers), reads
 
+    def _mean_context(self) -> float:
+        running = self.scheduler.running
+        return sum(r.num_computed for r in running) / len(running) if running else 0.0
+
     def _forward(self, seconds: float, tokens: int) -> float:
         """A forward of `tokens` tokens that the table says takes `seconds`: on a MoE node,
         stretched by its experts' imbalance (and counted toward their statistics)."""
@@ -201,7 +207,7 @@ class SimNode:
                 continue
             tokens = 1  # and a verify's accepted drafts
             if self.spec is not None and seq.proposal is not None:
-                tokens += self.spec.verified(seq)
+                tokens += self.spec.verified(seq, self.scheduler)
             if req.finished:
                 continue
             tokens = min(tokens, req.params.max_tokens - len(req.output_ids))

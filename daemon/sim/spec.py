@@ -88,23 +88,20 @@ class TableSpecCost:
 class SimSpeculation:
     """A node's Speculator (given to its Scheduler) and the outcome of each verify."""
 
-    def __init__(self, cfg: SpecConfig, table: CostTable, node: int) -> None:
+    def __init__(
+        self, cfg: SpecConfig, table: CostTable, node: int, context: Callable[[], float]
+    ) -> None:
+        """`context`: the node's running requests' mean context now (the step cost's)."""
         self.drafter = RateDrafter(cfg, node)
-        self.scheduler: Scheduler | None = None  # the node's, once made with `speculator`
         # as `serve --spec-policy` builds it (the nodes schedule without the overlap's hold)
-        policy = build_policy(cfg.policy, cfg.k, TableSpecCost(table, self._context))
+        policy = build_policy(cfg.policy, cfg.k, TableSpecCost(table, context))
         self.speculator = Speculator(self.drafter, policy, cfg.k)
 
-    def _context(self) -> float:
-        running = self.scheduler.running if self.scheduler is not None else []
-        return sum(r.num_computed for r in running) / len(running) if running else 0.0
-
-    def verified(self, seq: ScheduledSeq) -> int:
+    def verified(self, seq: ScheduledSeq, scheduler: Scheduler) -> int:
         """A verify step is done (as Engine._verified): its accepted drafts, drawn."""
-        assert self.scheduler is not None
         req = seq.request
         accepted = self.drafter.accepted(req, len(seq.draft))
-        self.scheduler.verified(seq, accepted, None)
+        scheduler.verified(seq, accepted, None)
         if seq.proposal is not None and not req.finished:
             self.speculator.observe(req, seq.proposal, len(seq.draft), accepted)
         return accepted
