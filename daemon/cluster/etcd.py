@@ -10,6 +10,7 @@ import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import aetcd
 import orjson
@@ -24,6 +25,7 @@ log = structlog.get_logger(__name__)
 PREFIX = b"/deepinfer/nodes/"
 CALL_TIMEOUT_S = 2.0
 _FAILURES = (aetcd.ClientError, TimeoutError, OSError)
+T = TypeVar("T")
 
 
 def node_key(node_id: str) -> bytes:
@@ -31,7 +33,7 @@ def node_key(node_id: str) -> bytes:
 
 
 def _client(host: str, port: int, timeout_s: float) -> aetcd.Client:
-    # aetcd puts `timeout` on every gRPC call; wait_for below bounds the connect as well
+    # aetcd puts `timeout` on every gRPC call; _bounded below bounds the connect as well
     return aetcd.Client(host, port, timeout=max(1, math.ceil(timeout_s)))
 
 
@@ -52,19 +54,16 @@ class EtcdAnnouncer:
 
     async def leave(self) -> None:
         self._left = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await _stopped(self._task)
         try:
             if self.lease is not None:  # its key goes with it
-                await asyncio.wait_for(self.lease.revoke(), self.timeout)
+                await _bounded(self.lease.revoke(), self.timeout)
                 log.info("left_etcd", etcd=self.where, node_id=self.info.node_id)
         except _FAILURES as e:  # the lease lapses instead
             log.warning("leave_failed", etcd=self.where, error=repr(e))
         finally:
             with contextlib.suppress(*_FAILURES):
-                await asyncio.wait_for(self.client.close(), self.timeout)
+                await _bounded(self.client.close(), self.timeout)
 
     async def refresh(self) -> None:
         """The node's key written now, with its current load."""
@@ -79,9 +78,7 @@ class EtcdAnnouncer:
     async def _beat_now(self) -> None:
         if self._task is None or self._left:  # not started, or left
             return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await _stopped(self._task)
         try:
             await self._beat()
         except _FAILURES as e:  # the beats try again
@@ -94,15 +91,15 @@ class EtcdAnnouncer:
 
     async def _beat(self) -> None:
         if self.lease is not None:
-            reply = await asyncio.wait_for(self.client.refresh_lease(self.lease.id), self.timeout)
+            reply = await _bounded(self.client.refresh_lease(self.lease.id), self.timeout)
             if reply is None or reply.TTL <= 0:  # lapsed (etcd unreachable too long): a new one
                 log.info("etcd_lease_lapsed", etcd=self.where, node_id=self.info.node_id)
                 self.lease = None
         fresh = self.lease is None
         if fresh:
-            self.lease = await asyncio.wait_for(self.client.lease(self.ttl), self.timeout)
+            self.lease = await _bounded(self.client.lease(self.ttl), self.timeout)
         value = orjson.dumps(replace(self.info, load=self.load()).to_json())
-        await asyncio.wait_for(
+        await _bounded(
             self.client.put(node_key(self.info.node_id), value, lease=self.lease), self.timeout
         )
         if fresh:
@@ -129,16 +126,13 @@ class EtcdPeerFeed:
         self._task = asyncio.create_task(self._poll(), name="etcd-peer-feed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await _stopped(self._task)
         with contextlib.suppress(*_FAILURES):
-            await asyncio.wait_for(self.client.close(), self.timeout)
+            await _bounded(self.client.close(), self.timeout)
 
     async def sync(self) -> None:
         """One read of the prefix into the peer set."""
-        found = await asyncio.wait_for(self.client.get_prefix(PREFIX), self.timeout)
+        found = await _bounded(self.client.get_prefix(PREFIX), self.timeout)
         seen: set[str] = set()
         for kv in found:
             try:
@@ -179,3 +173,21 @@ async def _every(interval: float, where: str, work: Callable[[], Awaitable[None]
                 log.warning("etcd_unreachable", etcd=where, error=repr(e))
             reachable = False
         await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+
+async def _bounded(aw: Awaitable[T], seconds: float) -> T:
+    """`aw` within `seconds`, else TimeoutError. Not asyncio.wait_for: on 3.11 it drops a cancel
+    that lands as the call completes, and the cancelled beat loop then runs on for ever."""
+    async with asyncio.timeout(seconds):
+        return await aw
+
+
+async def _stopped(task: asyncio.Task[None] | None) -> None:
+    """`task` cancelled and finished: cancelled again while it keeps running (a cancel that a
+    library swallowed), so that whoever stops it never waits on it for ever."""
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if task is not None and not task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
+            task.result()
