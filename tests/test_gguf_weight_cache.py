@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
-from daemon.models.gguf_checkpoint.cache import cache_file
+from daemon.models.gguf_checkpoint.cache import ALIGN, cache_file
 from daemon.models.gguf_checkpoint.reader import _open
 from daemon.models.loader import load_model, read_config
 from daemon.models.tokenizer import TextTokenizer
@@ -172,6 +173,23 @@ def test_kept_weights_are_views_of_the_mapped_file(tmp_path: Path) -> None:
     head = params.pop("lm_head.weight")
     assert not head.is_contiguous() and not mapped(head)
     assert all(p.is_contiguous() and mapped(p) for p in params.values())
+    # aligned: inductor's graphs would copy a misaligned input at every call
+    assert all(p.data_ptr() % ALIGN == 0 for p in params.values())
     with torch.no_grad():
         params["embed_tokens.weight"].add_(1)  # copy-on-write
     assert cached.read_bytes() == on_disk
+
+
+def test_an_unaligned_cache_file_is_read_by_copying(tmp_path: Path) -> None:
+    """A file written by safetensors itself (as before the cache was aligned) still loads, its
+    misaligned tensors copied into aligned memory."""
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    want = state(load_model(file, CPU, torch.bfloat16, kept).model)
+    cached = cache_file(kept, file, torch.bfloat16)
+    save_file(load_file(str(cached)), str(cached))
+    with capture_logs() as logs:
+        model = load_model(file, CPU, torch.bfloat16, kept).model
+    assert events(logs) == ["weights_from_cache"]
+    assert_same(state(model), want)
+    assert all(p.data_ptr() % ALIGN == 0 for p in model.parameters())
