@@ -25,6 +25,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import AttentionBatch, PrefillChunk
 from daemon.models.compiled import CompiledDecode
+from daemon.models.compiled_artifacts import ISA_FILE
 from tests.checkpoints import make_dense_checkpoint
 from tests.daemons import ROOT, checkout_env
 
@@ -191,7 +192,11 @@ _LOAD_AGAIN = """
 import json, sys, torch
 from torch._dynamo.utils import counters
 from daemon.build.engine import build_engine
+from torch._inductor.cpu_vec_isa import VecISA
 from tests.test_compiled_forward import engine_config, probe_logits
+probes = []  # inductor's ISA probes this process runs (a child Python each)
+real_probe = VecISA._probe_load
+VecISA._probe_load = lambda isa, path: probes.append(str(isa)) or real_probe(isa, path)
 engine, _ = build_engine(engine_config(sys.argv[1]))
 graphs = engine.runner.graphs
 torch.save(probe_logits(engine), sys.argv[2])
@@ -199,6 +204,7 @@ print("RESULT", json.dumps({
     "loaded": graphs.loaded,
     "failed": graphs.failed,
     "artifacts": str(graphs.artifacts),
+    "isa_probes": probes,
     "counters": {k: dict(v) for k, v in counters.items()},
 }))
 """
@@ -243,6 +249,8 @@ def test_a_new_process_loads_the_saved_graphs_and_compiles_nothing(
     assert result["artifacts"] == str(compiled.artifacts)
     assert result["loaded"] == 3 and not result["failed"]
     assert _compiled_nothing(result), result["counters"]
+    # inductor's vector-ISA probes answered as the compile ran them, none run again
+    assert (compiled.artifacts / ISA_FILE).is_file() and result["isa_probes"] == []
     assert torch.equal(torch.load(tmp_path / "logits.pt"), compiled.probe)
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
-from daemon.models.gguf_checkpoint.cache import cache_file
+from daemon.models.gguf_checkpoint.cache import ALIGN, cache_file
 from daemon.models.gguf_checkpoint.reader import _open
 from daemon.models.loader import load_model, read_config
 from daemon.models.tokenizer import TextTokenizer
@@ -139,3 +140,56 @@ def test_config_and_tokenizer_kept_without_parsing_again(tmp_path: Path) -> None
         tok3 = TextTokenizer(gguf, cfg, kept)
     assert [e["event"] for e in logs] == ["gguf_metadata_cache_unreadable"]
     assert tok3.encode(TEXTS[1]) == tok.encode(TEXTS[1])
+
+
+def _mappings(file: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of `file`."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(file):
+            lo, hi = fields[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_kept_weights_are_views_of_the_mapped_file(tmp_path: Path) -> None:
+    """No copy: each contiguous parameter lies in a mapping of the cache file (the column-major
+    head is copied in, keeping its layout); writing one leaves the file as it was."""
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    want = state(load_model(file, CPU, torch.bfloat16, kept).model)
+    cached = cache_file(kept, file, torch.bfloat16).resolve()
+    on_disk = cached.read_bytes()
+    model = load_model(file, CPU, torch.bfloat16, kept).model
+    assert_same(state(model), want)
+    ranges = _mappings(cached)
+    assert ranges
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    params = dict(model.named_parameters())
+    head = params.pop("lm_head.weight")
+    assert not head.is_contiguous() and not mapped(head)
+    assert all(p.is_contiguous() and mapped(p) for p in params.values())
+    # aligned: inductor's graphs would copy a misaligned input at every call
+    assert all(p.data_ptr() % ALIGN == 0 for p in params.values())
+    with torch.no_grad():
+        params["embed_tokens.weight"].add_(1)  # copy-on-write
+    assert cached.read_bytes() == on_disk
+
+
+def test_an_unaligned_cache_file_is_read_by_copying(tmp_path: Path) -> None:
+    """A file written by safetensors itself (as before the cache was aligned) still loads, its
+    misaligned tensors copied into aligned memory."""
+    file = quantized_gguf(tmp_path)
+    kept = tmp_path / "weights"
+    want = state(load_model(file, CPU, torch.bfloat16, kept).model)
+    cached = cache_file(kept, file, torch.bfloat16)
+    save_file(load_file(str(cached)), str(cached))
+    with capture_logs() as logs:
+        model = load_model(file, CPU, torch.bfloat16, kept).model
+    assert events(logs) == ["weights_from_cache"]
+    assert_same(state(model), want)
+    assert all(p.data_ptr() % ALIGN == 0 for p in model.parameters())

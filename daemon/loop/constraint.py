@@ -3,10 +3,15 @@ its row each step (and its verify rows along a draft) and is advanced with each 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# xgrammar is imported where a grammar is used, not with the runner: it imports transformers
+# (~1 s of a start), and a daemon serving no constrained request never needs it
 
 
 class Constraint(Protocol):
@@ -39,6 +44,8 @@ class GrammarConstraint:
     until that token is sampled; the grammar governs everything after it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, trigger: int | None = None) -> None:
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)
         self.trigger = trigger
         self.active = trigger is None
@@ -110,9 +117,13 @@ def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
 
 def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:
     """int32 [rows, ceil(vocab/32)], every token allowed."""
+    import xgrammar as xgr
+
     return xgr.allocate_token_bitmask(rows, vocab)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Sets the logits of disallowed tokens to -inf in the given rows (in place)."""
+    import xgrammar as xgr
+
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

@@ -3,12 +3,13 @@ inductor's caches, so that a restart loads them without tracing or compiling aga
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import platform
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ FORMAT = 1  # bump when what is saved, or how it is called, changes
 # what the graphs' code comes from: any edit there makes new artifacts
 _SOURCES = (Path(__file__).parent, Path(__file__).parents[2] / "kernels")
 _SUFFIXES = (".py", ".cpp", ".h")
+ISA_FILE = "isa_probes.json"  # inductor's vector-ISA probes, as the compile ran them
 
 
 def artifacts_root() -> Path:
@@ -88,7 +90,7 @@ class CompiledArtifacts:
         if not path.is_file():
             return None
         try:
-            with path.open("rb") as f:
+            with path.open("rb") as f, _isa_probes(self._probes(), replay=True):
                 return torch.compiler.load_compiled_function(f)
         except Exception as e:  # unpickling, a version check, a missing op: anything
             log.warning("compiled_artifact_unusable", path=str(path), error=_short(e))
@@ -100,18 +102,73 @@ class CompiledArtifacts:
     ) -> Callable[..., Any]:
         """`fn` compiled whole (fullgraph) for `args` (dims marked dynamic stay so), then
         saved; a save that fails only logs."""
-        compiled = torch.compile(fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        record = self._probes()
+        with _isa_probes(record, replay=False):
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        if not record:
+            _probe_again(record)
         path = self.dir / f"{name}.bin"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(path))  # written aside, then renamed
+            tmp = self.dir / f".{ISA_FILE}.tmp"
+            tmp.write_text(json.dumps(record, sort_keys=True))
+            tmp.replace(self.dir / ISA_FILE)
         except Exception as e:
             log.warning("compiled_artifact_not_saved", path=str(path), error=_short(e))
         return compiled
 
+    def _probes(self) -> dict[str, bool]:
+        """The ISA probes recorded when these graphs were compiled (empty where none are)."""
+        try:
+            record = json.loads((self.dir / ISA_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        ok = isinstance(record, dict) and all(isinstance(v, bool) for v in record.values())
+        return record if ok else {}
+
     def drop(self) -> None:
         """Remove this key's files (they loaded but did not run)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _isa_probes(record: dict[str, bool], replay: bool) -> Iterator[None]:
+    """inductor's vector-ISA probes (each builds a test library and loads it in a child
+    Python: ~2 s of a warm start) answered from `record` where `replay` and it holds the
+    probe; those it runs are added to it. Keyed by the ISA, its flags and the test code."""
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    real = VecISA.check_build
+
+    def check_build(isa: VecISA, code: str) -> bool:
+        digest = hashlib.blake2b(code.encode(), digest_size=8).hexdigest()
+        key = f"{isa}|{isa.build_arch_flags()}|{digest}"
+        if replay and key in record:
+            return record[key]
+        record[key] = ok = real(isa, code)
+        return ok
+
+    VecISA.check_build = check_build
+    try:
+        yield
+    finally:
+        VecISA.check_build = real
+
+
+def _probe_again(record: dict[str, bool]) -> None:
+    """Run inductor's ISA probes again into `record`: they ran (and were cached) before this
+    process's first compile, so the compile recorded none."""
+    from torch._inductor import cpu_vec_isa
+
+    for cls in {cpu_vec_isa.VecISA, *map(type, cpu_vec_isa.supported_vec_isa_list)}:
+        for attr in ("__bool__", "_VecISA__bool__impl"):
+            cached = cls.__dict__.get(attr)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    with _isa_probes(record, replay=False):
+        cpu_vec_isa.valid_vec_isa_list()
 
 
 def _short(e: BaseException) -> str:

@@ -1,0 +1,42 @@
+"""What a start imports before the engine is ready: the engine's path leaves xgrammar (and
+with it transformers, ~1 s) to the first constrained request."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.daemons import ROOT, checkout_env
+
+_IMPORTS = """
+import sys
+import daemon.build.engine, daemon.loop.runner, daemon.service.cli, daemon.service.generate
+print(sorted(m for m in ("transformers", "xgrammar") if m in sys.modules))
+"""
+
+
+def test_the_engine_path_does_not_import_xgrammar_or_transformers() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS],
+        cwd=ROOT,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "[]"
+
+
+def test_a_constraint_still_masks_after_its_lazy_import() -> None:
+    import torch
+
+    from daemon.loop.constraint import allocate_bitmask, apply_bitmask
+
+    mask = allocate_bitmask(2, 40)
+    mask[1] = 0
+    mask[1, 0] = 0b100  # row 1 allows token 2 only
+    logits = torch.zeros(2, 40)
+    apply_bitmask(logits, mask, [1])
+    assert torch.isfinite(logits[0]).all()
+    assert logits[1, 2] == 0 and torch.isinf(logits[1]).sum() == 39
