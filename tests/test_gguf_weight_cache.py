@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 from structlog.testing import capture_logs
 
-from daemon.models.gguf_checkpoint.cache import ALIGN, cache_file
+from daemon.models.gguf_checkpoint.cache import cache_file
 from daemon.models.gguf_checkpoint.reader import _open
 from daemon.models.loader import load_model, read_config
 from daemon.models.tokenizer import TextTokenizer
@@ -153,36 +153,31 @@ def _mappings(file: Path) -> list[tuple[int, int]]:
     return out
 
 
-def test_kept_weights_are_views_of_the_mapped_file(tmp_path: Path) -> None:
-    """No copy: each contiguous parameter lies in a mapping of the cache file (the column-major
-    head is copied in, keeping its layout); writing one leaves the file as it was."""
+def test_kept_weights_are_copied_into_the_models_own_memory(tmp_path: Path) -> None:
+    """Read through a mapping of the cache file, but copied: no parameter is left in the file's
+    pages (no huge pages there, at a cost to every decode step), and the file is unchanged."""
     file = quantized_gguf(tmp_path)
     kept = tmp_path / "weights"
     want = state(load_model(file, CPU, torch.bfloat16, kept).model)
     cached = cache_file(kept, file, torch.bfloat16).resolve()
     on_disk = cached.read_bytes()
-    model = load_model(file, CPU, torch.bfloat16, kept).model
+    with capture_logs() as logs:
+        model = load_model(file, CPU, torch.bfloat16, kept).model
+    assert events(logs) == ["weights_from_cache"]
     assert_same(state(model), want)
     ranges = _mappings(cached)
-    assert ranges
 
     def mapped(t: torch.Tensor) -> bool:
         return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
 
-    params = dict(model.named_parameters())
-    head = params.pop("lm_head.weight")
-    assert not head.is_contiguous() and not mapped(head)
-    assert all(p.is_contiguous() and mapped(p) for p in params.values())
-    # aligned: inductor's graphs would copy a misaligned input at every call
-    assert all(p.data_ptr() % ALIGN == 0 for p in params.values())
+    assert not any(mapped(p) for p in model.parameters())
     with torch.no_grad():
-        params["embed_tokens.weight"].add_(1)  # copy-on-write
+        model.get_parameter("embed_tokens.weight").add_(1)
     assert cached.read_bytes() == on_disk
 
 
-def test_an_unaligned_cache_file_is_read_by_copying(tmp_path: Path) -> None:
-    """A file written by safetensors itself (as before the cache was aligned) still loads, its
-    misaligned tensors copied into aligned memory."""
+def test_a_file_safetensors_wrote_itself_loads(tmp_path: Path) -> None:
+    """A cache file as safetensors writes it (its own tensor order and padding) loads alike."""
     file = quantized_gguf(tmp_path)
     kept = tmp_path / "weights"
     want = state(load_model(file, CPU, torch.bfloat16, kept).model)
@@ -192,4 +187,3 @@ def test_an_unaligned_cache_file_is_read_by_copying(tmp_path: Path) -> None:
         model = load_model(file, CPU, torch.bfloat16, kept).model
     assert events(logs) == ["weights_from_cache"]
     assert_same(state(model), want)
-    assert all(p.data_ptr() % ALIGN == 0 for p in model.parameters())

@@ -41,10 +41,9 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def read_into(model: nn.Module, file: Path) -> bool:
     """Fill every parameter and buffer of `model` from `file`; False (the model untouched or
     partly filled, to be loaded from the GGUF file) where the file is missing, unreadable or
-    does not hold exactly the model's tensors at their shapes and dtypes. Contiguous tensors
-    become views of the file mapped copy-on-write (no copy: pages come from the page cache as
-    the first forward reads them); others (a column-major head, a misaligned tensor) are
-    copied in."""
+    does not hold exactly the model's tensors at their shapes and dtypes. Each is copied once
+    from a mapping of the file into the model's own memory: parameters left in file-backed
+    pages get no huge pages, and decoding one sequence reads every weight each token."""
     if not file.is_file():
         return False
     targets = _targets(model)
@@ -59,11 +58,7 @@ def read_into(model: nn.Module, file: Path) -> bool:
                 log.warning("weight_cache_mismatch", file=str(file), tensor=name)
                 return False
         for name, tensor in tensors.items():
-            target = targets[name]
-            if _mappable(target, tensor):
-                target.data = tensor
-            else:
-                target.data.copy_(tensor)
+            targets[name].data.copy_(tensor)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         # a truncated or damaged file: load from the GGUF
         log.warning("weight_cache_unreadable", file=str(file), error=str(e))
@@ -85,20 +80,10 @@ _DTYPES = {
 }
 
 
-def _mappable(target: torch.Tensor, tensor: torch.Tensor) -> bool:
-    """Whether `target` may become `tensor` itself: laid out alike, on the CPU, aligned."""
-    aligned = tensor.data_ptr() % ALIGN == 0
-    return target.is_contiguous() and target.device.type == "cpu" and aligned
-
-
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-ALIGN = 64  # bytes: a cache line, and inductor's alignment of a graph's inputs (16) several times
-
-
 def _mapped(file: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors `file` as views of one private (copy-on-write) mapping of
-    it; one not on an ALIGN boundary (a file written before it was aligned), or of a dtype not
-    listed, is read by safetensors (a copy)."""
+    it; one of a dtype not listed, or not aligned to its element size, is read by safetensors
+    (a copy)."""
     size = file.stat().st_size
     with file.open("rb") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -116,7 +101,7 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
         dtype = _DTYPES.get(entry["dtype"])
         if end > size or begin > end:
             raise ValueError(f"{file.name}: tensor {name!r} lies outside the file")
-        if dtype is None or begin % ALIGN:
+        if dtype is None or begin % dtype.itemsize:
             copied.append(name)
             continue
         out[name] = data[begin:end].view(dtype).view(entry["shape"])
@@ -133,34 +118,8 @@ def write_from(model: nn.Module, file: Path) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         state = {name: t.detach().to("cpu").contiguous() for name, t in _targets(model).items()}
-        if all(t.dtype in _CODES for t in state.values()):
-            _save_aligned(state, tmp)
-        else:
-            save_file(state, str(tmp))
+        save_file(state, str(tmp))
         os.replace(tmp, file)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         log.warning("weight_cache_not_written", file=str(file), error=str(e))
-
-
-def _save_aligned(state: dict[str, torch.Tensor], file: Path) -> None:
-    """A safetensors file whose data starts on an ALIGN boundary (its header padded with
-    spaces, as safetensors pads it), so tensors of whole multiples of ALIGN bytes lie aligned:
-    inductor's graphs copy an input that is not (every weight, every step)."""
-    header: dict[str, dict] = {}
-    offset = 0
-    for name, t in state.items():
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _CODES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % ALIGN)
-    with file.open("wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for t in state.values():
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
