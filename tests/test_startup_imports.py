@@ -3,10 +3,9 @@ with it transformers, ~1 s) to the first constrained request."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
-from tests.daemons import ROOT, checkout_env
+from tests.daemons import in_checkout
 
 _IMPORTS = """
 import sys
@@ -16,14 +15,7 @@ print(sorted(m for m in ("transformers", "xgrammar") if m in sys.modules))
 
 
 def test_the_engine_path_does_not_import_xgrammar_or_transformers() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _IMPORTS],
-        cwd=ROOT,
-        env=checkout_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = in_checkout([sys.executable, "-c", _IMPORTS], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "[]"
 
