@@ -1,9 +1,12 @@
 """What a draft row really costs: steps of N decoding sequences, some verifying L drafts each,
 timed as the engine times a step (ModelRunner.prepare + execute; alternating, medians), against
-the startup profile's step-cost table and the online fit (`MeasuredCost`) fed those steps.
+the startup profile's step-cost table and the online fit (`MeasuredCost`) fed those steps; and
+what a sequence sitting a step out saves (under overlap a verifying sequence sits out the next):
+decode steps of N - S sequences against N.
 
     python -m bench.spec_cost --model DIR [--dtype bfloat16 --seqs 32 --context 128 384
-                                           --verify 8x1 32x1 8x5 16x5 32x5 --repeats 7]
+                                           --verify 8x1 32x1 8x5 16x5 32x5 --sit-out 4 8 16
+                                           --repeats 7]
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ def verify_step(
             kv.free(req.request_id)
 
 
-def run_once(engine: Engine, point: tuple[int, int], seqs: int, context: int) -> float:
+def run_once(engine: Engine, point: tuple[int, int, int], seqs: int, context: int) -> float:
+    """One step of `point` = (verifying, drafts, sitting out) over `seqs` sequences."""
     runner = engine.runner
-    with verify_step(engine.kv, runner.vocab_size, seqs, context, *point) as step:
+    verifying, drafts, out = point
+    with verify_step(engine.kv, runner.vocab_size, seqs - out, context, verifying, drafts) as step:
         t0 = time.perf_counter()
         runner.execute(runner.prepare(step, engine.kv, CacheOps()))
         return time.perf_counter() - t0
@@ -82,6 +87,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=32)
     p.add_argument("--context", type=int, nargs="+", default=[128, 384])
     p.add_argument("--verify", nargs="+", default=["8x1", "32x1", "8x5", "16x5", "32x5"])
+    p.add_argument("--sit-out", type=int, nargs="*", default=[4, 8, 16])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--kv-gb", type=float, default=0.75)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -102,26 +108,28 @@ def main() -> None:
     cost = getattr(spec.policy, "cost", None)
     assert isinstance(cost, MeasuredCost)
     table = cost.table
-    points = [(0, 0)] + [tuple(int(x) for x in v.split("x")) for v in args.verify]
     n = args.seqs
+    verify = [tuple(int(x) for x in v.split("x")) for v in args.verify]
+    points = [(0, 0, 0)] + [(v, d, 0) for v, d in verify]
+    points += [(0, 0, s) for s in args.sit_out if 0 < s < n]
     print(machine())
     print(f"{args.model} {args.dtype}, {n} sequences, ngram drafts all rejected")
     for context in args.context:
-        times: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
+        times: dict[tuple[int, int, int], list[float]] = {pt: [] for pt in points}
         for pt in points:
             run_once(engine, pt, n, context)  # warm-up: first-touched pages, kernel selection
         for _ in tqdm(range(args.repeats), desc=f"context {context}", leave=False):
             for pt in points:  # alternating
                 times[pt].append(run_once(engine, pt, n, context))
         med = {pt: statistics.median(ts) for pt, ts in times.items()}
-        base = med[(0, 0)]
-        extra = {pt: med[pt] - base for pt in points if pt != (0, 0)}
+        base = med[(0, 0, 0)]
+        extra = {(v, d): med[(v, d, 0)] - base for v, d in verify}
         per_seq, per_row = fit_marginal(extra)
         online = MeasuredCost(table)
         for _ in range(4):  # the online fit fed these steps as they would come
-            for (v, d), ts in times.items():
+            for (v, d, out), ts in times.items():
                 for t in ts:
-                    online.observe(n + v * d, n, v * d, t)
+                    online.observe(n - out + v * d, n - out, v * d, t)
         print(f"\ncontext {context}: {n} decodes {base * 1e3:.1f} ms")
         print("verifying x drafts  step ms  +ms  ms/draft  table ms/draft  online ms/draft")
         for (v, d), x in extra.items():
@@ -129,13 +137,25 @@ def main() -> None:
             t_price = (table.seconds(n + rows, n) - table.seconds(n, n)) / rows
             o_price = (online.seconds(n + rows, n, rows) - online.seconds(n, n, 0)) / rows
             print(
-                f"{v:9d} x {d:<6d} {med[(v, d)] * 1e3:9.1f} {x * 1e3:5.1f} {x / rows * 1e3:9.2f}"
+                f"{v:9d} x {d:<6d} {med[(v, d, 0)] * 1e3:9.1f} {x * 1e3:5.1f} {x / rows * 1e3:9.2f}"
                 f" {t_price * 1e3:15.2f} {o_price * 1e3:16.2f}"
             )
         print(
             f"fit: {per_seq * 1e3:.2f} ms per verifying sequence + {per_row * 1e3:.2f} ms per"
             f" draft row; rollback {table.rollback_seconds * 1e3:.3f} ms per verifying sequence"
         )
+        sits = [pt for pt in points if pt[2]]
+        if sits:
+            print("sitting out  step ms  saved ms  ms/seq  table ms/seq  online ms/seq")
+        for pt in sits:
+            out, m = pt[2], n - pt[2]
+            saved = base - med[pt]
+            t_saved = table.seconds(n, n) - table.seconds(m, m)
+            o_saved = online.seconds(n, n) - online.seconds(m, m)
+            print(
+                f"{out:11d} {med[pt] * 1e3:8.1f} {saved * 1e3:9.1f} {saved / out * 1e3:7.2f}"
+                f" {t_saved / out * 1e3:13.2f} {o_saved / out * 1e3:14.2f}"
+            )
 
 
 if __name__ == "__main__":

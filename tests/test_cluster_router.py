@@ -505,12 +505,13 @@ async def test_a_node_gone_past_the_grace_ends_the_stream(tmp_path: Path) -> Non
     """A node out of the router's set that sends nothing more is given up after
     --lost-node-grace-s: the stream ends with the protocol's error event. The node is an
     aiohttp server here that streams one event, then nothing, and never heartbeats."""
+    done = asyncio.Event()  # the test is over: the handler returns (the cleanup waits for it)
 
     async def stalled(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
-        await asyncio.sleep(60)
+        await asyncio.wait_for(done.wait(), 60)
         return resp
 
     app = web.Application()
@@ -549,6 +550,7 @@ async def test_a_node_gone_past_the_grace_ends_the_stream(tmp_path: Path) -> Non
             async with session.get(url + "/metrics") as m:
                 assert 'reason="stream_node_lost"' in await m.text()
     finally:
+        done.set()
         _stop(router)
         await runner.cleanup()
 

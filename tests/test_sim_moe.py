@@ -16,7 +16,7 @@ from daemon.moe import controller
 from daemon.moe.controller import MoEController
 from daemon.sim import moe as sim_moe
 from daemon.sim.cluster import ClusterConfig, simulate
-from daemon.sim.moe import MoEConfig
+from daemon.sim.moe_config import MoEConfig
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
 from daemon.sim.trace import TraceRequest

@@ -17,7 +17,7 @@ from daemon.loop.spec.speculator import Speculator
 from daemon.sim.cluster import ClusterConfig, simulate
 from daemon.sim.node import NodeConfig
 from daemon.sim.result import summarize
-from daemon.sim.spec import SpecConfig
+from daemon.sim.spec_config import SpecConfig
 from daemon.sim.trace import TraceRequest
 from tests.daemons import checkout_env
 from tests.sim_traces import table, write_trace

@@ -1,5 +1,6 @@
 """The online correction of the step-cost table: the table as is until steps are measured, the
-intercept from decode-only steps, the slope once verify steps measure it, steps with prefill
+intercept from decode-only steps, the slope once verify steps measure it, no jump in the price
+of a step between batch sizes on either side of a power of two (what sitting out saves), steps with prefill
 chunks fitted apart (their drafts' slope recovered though the chunks shrink as drafts grow), old
 steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
 higher, with chunks in every step or none, and a level error of the table (every step dearer
@@ -40,8 +41,12 @@ def test_decode_steps_move_the_intercept_not_the_slope() -> None:
     assert abs(cost.seconds(64, 64) - 0.097) < 1e-3
     slope = (cost.seconds(128, 64, 64) - cost.seconds(64, 64)) / 64
     assert abs(slope - 0.83e-3) < 0.02e-3  # the table's: no step measured it
-    assert cost.seconds(100, 100) < table().seconds(100, 100)  # the same bucket (64..127)
-    assert cost.seconds(60, 60) == table().seconds(60, 60)  # another bucket: untouched
+    assert cost.seconds(32, 32) == table().seconds(32, 32)  # an anchor no step taught
+    # between anchors, a blend of their corrections by nearness (none at the untaught one)
+    for seqs in (48, 60, 100):
+        share = 1 - abs(seqs - 64) / (32 if seqs < 64 else 64)
+        corrected = table().seconds(seqs, seqs) + share * (cost.seconds(64, 64) - 0.115)
+        assert abs(cost.seconds(seqs, seqs) - corrected) < 1e-9
     assert cost.seconds(96, 64) == table().seconds(96, 64)  # a step with a chunk: untouched
 
 
@@ -54,7 +59,7 @@ def test_verify_steps_teach_the_slope() -> None:
     for tokens in (64, 72, 88):
         assert abs(cost.seconds(tokens, 64, tokens - 64) - true_seconds(tokens)) < 0.004
     (fit,) = cost.corrections()
-    assert fit["min_seqs"] == 64 and fit["max_seqs"] == 127 and not fit["chunks"]
+    assert fit["seqs"] == 64 and not fit["chunks"]
     assert fit["slope_s_per_token"] > 0  # steeper than the table
 
 
@@ -125,7 +130,7 @@ def test_mixed_steps_teach_their_own_slope() -> None:
         # the drafts' slope, not the chunks' (their tokens fall as drafts rise)
         assert abs(slope - 1.08e-3) < 0.08e-3
     (fit,) = cost.corrections()
-    assert fit["chunks"] and fit["min_seqs"] == 64
+    assert fit["chunks"] and fit["seqs"] == 64
     # chunk-free steps keep the table until they are measured
     assert cost.seconds(80, 64, 16) == table().seconds(80, 64)
 
@@ -190,3 +195,53 @@ def test_policy_drafts_what_pays_at_the_measured_price() -> None:
     # survival of 0.55; charged the level error too (1.56 ms a row), from 0.71
     candidates = [Candidate(f"r{i}", [0.65] * 5, 5) for i in range(8)]
     assert policy.choose(candidates, 64, 64) == [1] * 8
+
+
+def sit_out_table() -> CostTable:
+    # profiled at 16 and 64 sequences, as the start-up profile does: 60 ms + 0.5 ms a sequence
+    # for the decodes, 1.6 ms a draft row
+    return CostTable(
+        [
+            CostRow(16, [16, 32], [0.068, 0.068 + 16 * 1.6e-3]),
+            CostRow(64, [64, 128], [0.092, 0.092 + 64 * 1.6e-3]),
+        ]
+    )
+
+
+def sit_out_seconds(seqs: int, drafts: int = 0) -> float:
+    # what the steps take: 45 ms fixed, 1.07 ms a sequence (steeper than the table between its
+    # rows), 1.6 ms a draft row
+    return 0.045 + 1.07e-3 * seqs + 1.6e-3 * drafts
+
+
+def sit_out_steps(n: int, seed: int) -> list[tuple[int, int]]:
+    """(sequences, drafts) of steps at concurrency 32 under overlap: half of them all 32, the
+    rest with some sitting out or finished (17..31), a few verifying."""
+    rng = random.Random(seed)
+    return [
+        (32 if rng.random() < 0.5 else rng.randint(17, 31), rng.choice([0, 0, 0, 2, 4]))
+        for _ in range(n)
+    ]
+
+
+def test_sitting_out_is_priced_without_a_jump_at_a_power_of_two() -> None:
+    cost = MeasuredCost(sit_out_table())
+    for seqs, drafts in sit_out_steps(600, 8):
+        cost.observe(seqs + drafts, seqs, drafts, sit_out_seconds(seqs, drafts))
+    for out in (1, 2, 4, 8):
+        saved = cost.seconds(32, 32) - cost.seconds(32 - out, 32 - out)
+        assert abs(saved / out - 1.07e-3) < 0.35 * 1.07e-3, (out, saved)
+    for seqs in range(17, 40):  # no step between neighbours is far from the truth's 1.07 ms
+        step = cost.seconds(seqs + 1, seqs + 1) - cost.seconds(seqs, seqs)
+        assert 0 < step < 3 * 1.07e-3, (seqs, step)
+
+
+def test_a_verify_that_costs_its_sequence_a_step_is_not_chosen_for_a_weak_draft() -> None:
+    # under overlap a verifying sequence sits out the next step: a first draft surviving at 0.6
+    # gains 0.6 tokens, loses the next step's token and saves only its 1.07 ms in that step
+    policy = build_policy("adaptive", 5, sit_out_table(), overlap=True)
+    assert isinstance(policy, AdaptivePolicy) and policy.hold
+    for seqs, drafts in sit_out_steps(600, 9):
+        policy.observe_step(seqs + drafts, seqs, drafts, sit_out_seconds(seqs, drafts))
+    assert policy.choose([Candidate("weak", [0.6] * 5, 5)], 32, 32) == [0]
+    assert policy.choose([Candidate("sure", [0.99] * 5, 5)], 32, 32) == [5]

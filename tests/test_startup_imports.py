@@ -1,5 +1,6 @@
 """What a start imports before the engine is ready: the engine's path leaves xgrammar (and
-with it transformers, ~1 s) to the first constrained request."""
+with it transformers, ~1 s) to the first constrained request; the command line itself (an admin
+call, a settings check) loads no torch (~2 s)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,20 @@ print(sorted(m for m in ("transformers", "xgrammar") if m in sys.modules))
 
 def test_the_engine_path_does_not_import_xgrammar_or_transformers() -> None:
     done = in_checkout([sys.executable, "-c", _IMPORTS], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "[]"
+
+
+_CLI = """
+import sys
+from daemon.service.cli import build_parser
+build_parser().parse_args(["admin", "--socket", "/nowhere", "status"])
+print(sorted(m for m in ("torch", "transformers", "xgrammar") if m in sys.modules))
+"""
+
+
+def test_the_command_line_does_not_import_torch() -> None:
+    done = in_checkout([sys.executable, "-c", _CLI], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "[]"
 

@@ -15,31 +15,10 @@ from typing import Protocol
 import torch
 
 from daemon.kv.block_store import BlockStore
+from daemon.loop.image_input import ImageInput, ImageRejected
 from daemon.models.base import VisionLanguageModel
 
 STORE_KEY_BYTES = 16  # a block store key's size (the embeddings' key, cut)
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    """One image of a prompt. Its pixels are made (decoded, preprocessed) only by the encoder
-    that encodes it on its own tower, after the caches missed: never for an image sent to an
-    encoder node, nor for one whose embeddings are cached."""
-
-    digest: bytes  # sha256 of the image's bytes
-    start: int  # prompt position of its first placeholder token
-    data: bytes = b""  # the image as sent (encoded): what an encoder node is given
-    pixels: Callable[[], torch.Tensor] | None = None  # [3, H, W]; raises ImageRejected
-    param: str = "image"  # where the request has it
-
-
-class ImageRejected(ValueError):
-    """An image that can never be encoded (undecodable): the request's fault, not the
-    encoder's."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

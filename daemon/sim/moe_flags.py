@@ -1,11 +1,11 @@
 """`deepinfer simulate`'s MoE flags: a MoE model under expert parallelism on every node
-(sim/moe.py's MoEConfig), off unless --moe-experts is given."""
+(sim/moe_config.py), off unless --moe-experts is given."""
 
 from __future__ import annotations
 
 import argparse
 
-from daemon.sim.moe import MoEConfig
+from daemon.sim.moe_config import MoEConfig
 
 
 def add_moe_flags(p: argparse.ArgumentParser) -> None:

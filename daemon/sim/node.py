@@ -19,9 +19,11 @@ from daemon.kv.tier_ops import CacheOps, TierQueue
 from daemon.loop.request import FinishReason, Request, RequestStatus
 from daemon.loop.scheduler import Scheduler, SchedulerStep, StoreRead
 from daemon.sim.cost import StepCost
-from daemon.sim.moe import MoEConfig, SimExperts
+from daemon.sim.moe import SimExperts
+from daemon.sim.moe_config import MoEConfig
 from daemon.sim.router import FINGERPRINT, MODEL
-from daemon.sim.spec import SimSpeculation, SpecConfig
+from daemon.sim.spec import SimSpeculation
+from daemon.sim.spec_config import SpecConfig
 from daemon.sim.store import SimStore
 from daemon.sim.table import CostTable
 

@@ -5,35 +5,18 @@ at its own rate (seeded draws), and the policy's step cost read from the simulat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from daemon.loop.request import Request
 from daemon.loop.scheduler import ScheduledSeq, Scheduler
 from daemon.loop.spec.base import Draft
-from daemon.loop.spec.policy import POLICIES, build_policy
+from daemon.loop.spec.policy import build_policy
 from daemon.loop.spec.speculator import Speculator
+from daemon.sim.spec_config import SpecConfig
 from daemon.sim.table import CostTable
 
 DRAFT_TOKEN = -2  # a draft's tokens: never a prompt's (trace.block_tokens) nor an output's
-
-
-@dataclass
-class SpecConfig:
-    policy: str = "adaptive"  # one of loop/spec/policy.POLICIES
-    k: int = 4  # the most drafts a request verifies in a step
-    acceptance: float = 0.7  # each draft token's chance to be accepted (given those before)
-    spread: float = 0.0  # a request's rate: uniform in acceptance +- spread (clipped to [0, 1])
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"spec policy must be one of {', '.join(POLICIES)}")
-        if self.k < 1:
-            raise ValueError("speculation needs at least one draft token per step")
-        if not 0 <= self.acceptance <= 1 or self.spread < 0:
-            raise ValueError("acceptance must be in [0, 1], spread >= 0")
 
 
 class RateDrafter:

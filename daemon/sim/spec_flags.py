@@ -1,12 +1,12 @@
 """`deepinfer simulate`'s speculation flags: every node verifies drafts by the daemon's policy
-(sim/spec.py's SpecConfig), off unless --spec-policy is given."""
+(sim/spec_config.py), off unless --spec-policy is given."""
 
 from __future__ import annotations
 
 import argparse
 
 from daemon.loop.spec.policy import POLICIES
-from daemon.sim.spec import SpecConfig
+from daemon.sim.spec_config import SpecConfig
 
 
 def add_spec_flags(p: argparse.ArgumentParser) -> None:

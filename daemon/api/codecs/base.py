@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from daemon.loop.images import ImageInput
+from daemon.loop.image_input import ImageInput
 from daemon.loop.request import RequestOutput, SamplingParams
 
 JsonObject = dict[str, Any]

@@ -23,7 +23,7 @@ from daemon.api.codecs.images import (
 )
 from daemon.api.codecs.jobs import sample_jobs
 from daemon.api.codecs.params import get_bool, get_int, get_object, sampling_params
-from daemon.loop.images import ImageInput
+from daemon.loop.image_input import ImageInput
 
 
 class DenseChatCodec:

@@ -13,12 +13,13 @@ import urllib.parse
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from daemon.api.codecs.base import CodecError
-from daemon.loop.images import ImageInput, ImageRejected
+from daemon.loop.image_input import ImageInput, ImageRejected
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMES = ("data", "http", "https")
 

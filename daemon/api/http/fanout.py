@@ -12,7 +12,7 @@ from daemon.api.http.cache_options import CacheOptions
 from daemon.api.http.errors import bad_request, unavailable
 from daemon.loop.engine import Engine, RequestRejected
 from daemon.loop.handoff import KVSource
-from daemon.loop.images import ImageInput
+from daemon.loop.image_input import ImageInput
 from daemon.loop.request import Request, RequestOutput
 
 

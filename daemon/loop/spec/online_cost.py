@@ -1,8 +1,9 @@
-"""The step-cost table corrected online by the steps the engine runs: per batch-size bucket, and
-apart for steps with and without prefill chunks, a decaying ridge fit of (measured - table)
-seconds against the step's draft tokens and its chunk tokens (centred: a level error stays in
-the intercept), so a table profiled on a busy machine, or one whose slope misses, stops
-misleading the policy."""
+"""The step-cost table corrected online by the steps the engine runs: at batch sizes anchored at
+the powers of two (a step between two anchors teaches both, and is priced from both, each by its
+nearness, so the correction has no step where a bucket would end), and apart for steps with and
+without prefill chunks, a decaying ridge fit of (measured - table) seconds against the step's
+draft tokens and its chunk tokens (centred: a level error stays in the intercept), so a table
+profiled on a busy machine, or one whose slope misses, stops misleading the policy."""
 
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ class _Fit:
     def weight(self) -> float:
         return self.xx[0][0]
 
-    def add(self, drafts: float, chunk: float, y: float, memory: float) -> None:
+    def add(self, drafts: float, chunk: float, y: float, memory: float, weight: float) -> None:
+        """An observation of `weight` (a share of a step): it ages the older ones by
+        memory**weight, so a fit taught by parts of steps forgets as fast per step."""
         x = (1.0, drafts, chunk)
+        decay = memory**weight
         for i in range(3):
-            self.xy[i] = self.xy[i] * memory + x[i] * y
+            self.xy[i] = self.xy[i] * decay + weight * x[i] * y
             row = self.xx[i]
             for j in range(3):
-                row[j] = row[j] * memory + x[i] * x[j]
+                row[j] = row[j] * decay + weight * x[i] * x[j]
         self._coef = None
 
     def coef(self) -> tuple[float, float, float]:
@@ -66,8 +70,15 @@ class _Fit:
 
 @dataclass
 class MeasuredCost:
-    """A `StepCost`: `table`'s seconds plus the fitted correction of the step's fit, chosen by
-    its bucket (sequences by powers of two) and whether it carries prefill chunks.
+    """A `StepCost`: `table`'s seconds plus the fitted correction at the step's batch size,
+    for steps with prefill chunks or without.
+
+    The fits sit at anchors, batch sizes 1, 2, 4, ...: a step of s sequences between anchors
+    a and 2a teaches the fit at a with weight (2a - s) / a and the one at 2a with the rest, and
+    is priced by the same blend of the two (an anchor not yet taught blends as no correction).
+    Under overlap a verifying sequence sits out the next step, and the policy prices that by
+    the step without it: fits that ended where a power of two does would put the gap between
+    two intercepts into the price of sitting out, at the batch sizes most runs have.
 
     Steps with chunks are fitted apart from those without: they run another way (eagerly, where
     chunk-free decodes may replay a captured graph) and their residual carries the table's error
@@ -87,11 +98,13 @@ class MeasuredCost:
     def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
         base = self.table.seconds(num_tokens, num_seqs)
         chunk = num_tokens - num_seqs - num_drafts
-        fit = self._fits.get((num_seqs.bit_length(), chunk > 0))
-        if fit is None:
-            return base
-        a, b, c = fit.coef()
-        return max(base + a + b * num_drafts + c * chunk, FLOOR * base)
+        correction = 0.0
+        for anchor, share in _anchors(num_seqs):
+            fit = self._fits.get((anchor, chunk > 0))
+            if fit is not None:
+                a, b, c = fit.coef()
+                correction += share * (a + b * num_drafts + c * chunk)
+        return max(base + correction, FLOOR * base)
 
     def observe(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
@@ -101,19 +114,19 @@ class MeasuredCost:
         if num_seqs < 1 or num_drafts < 0 or chunk < 0 or not seconds > 0:
             return
         residual = seconds - self.table.seconds(num_tokens, num_seqs)
-        fit = self._fits.setdefault((num_seqs.bit_length(), chunk > 0), _Fit())
-        fit.add(float(num_drafts), float(chunk), residual, self.memory)
+        for anchor, share in _anchors(num_seqs):
+            fit = self._fits.setdefault((anchor, chunk > 0), _Fit())
+            fit.add(float(num_drafts), float(chunk), residual, self.memory, share)
 
     def corrections(self) -> list[dict[str, float | bool]]:
-        """Each fit: its sequences' range, whether of steps with chunks, its weight, the
+        """Each fit: its anchor's batch size, whether of steps with chunks, its weight, the
         intercept (s) and slopes (s per draft token, s per chunk token)."""
         out: list[dict[str, float | bool]] = []
-        for (bucket, chunks), fit in sorted(self._fits.items()):
+        for (anchor, chunks), fit in sorted(self._fits.items()):
             a, b, c = fit.coef()
             out.append(
                 {
-                    "min_seqs": 1 << (bucket - 1),
-                    "max_seqs": (1 << bucket) - 1,
+                    "seqs": anchor,
                     "chunks": chunks,
                     "weight": round(fit.weight, 2),
                     "intercept_s": round(a, 6),
@@ -122,6 +135,16 @@ class MeasuredCost:
                 }
             )
         return out
+
+
+def _anchors(num_seqs: int) -> list[tuple[int, float]]:
+    """The anchors (powers of two) a step of `num_seqs` sequences is fitted at, with shares
+    summing to 1: itself where it is one, else the two around it by nearness."""
+    low = 1 << (num_seqs.bit_length() - 1)
+    if low == num_seqs:
+        return [(low, 1.0)]
+    high_share = (num_seqs - low) / low
+    return [(low, 1.0 - high_share), (2 * low, high_share)]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

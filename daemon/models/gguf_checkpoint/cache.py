@@ -3,7 +3,6 @@ dequantizing the GGUF file again."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -14,19 +13,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from daemon.models.gguf_checkpoint.keys import file_key
+
 log = structlog.get_logger(__name__)
-
-# Raise when what is kept of a GGUF file changes (names, q/k row order, dequantization, the
-# config or tokenizer built from its metadata): older cache files then stop matching.
-FORMAT = 1
-
-
-def file_key(gguf_file: Path, *parts: object) -> str:
-    """A name for what is kept of `gguf_file` (with `parts`): its path, size and modification
-    time, so a changed file misses."""
-    st = gguf_file.stat()
-    key = "|".join(map(str, (gguf_file.resolve(), st.st_size, st.st_mtime_ns, *parts, FORMAT)))
-    return f"{gguf_file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def cache_file(directory: Path, gguf_file: Path, dtype: torch.dtype) -> Path:

@@ -12,8 +12,8 @@ import orjson
 import structlog
 from tokenizers import Tokenizer
 
-from daemon.models.gguf_checkpoint.cache import file_key
 from daemon.models.gguf_checkpoint.config import gguf_config
+from daemon.models.gguf_checkpoint.keys import file_key
 from daemon.models.gguf_checkpoint.reader import open_gguf
 from daemon.models.gguf_checkpoint.vocab import GGUFVocab, gguf_vocab
 
