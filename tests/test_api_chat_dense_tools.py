@@ -489,8 +489,10 @@ def test_odd_history_is_never_a_5xx(served: tuple[LiveServer, OpenAI, str], mess
 
 def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) -> None:
     """The forced-calls tag (an xgrammar grammar per tool) is built in the grammar worker, keyed
-    by the tools' JSON, so a repeated request builds nothing on the event loop."""
+    by the tools' JSON, so a repeated request builds nothing on the event loop; the compiler
+    itself is made there too, by warm() (the daemon's, once it is ready) or the first grammar."""
     import asyncio
+    import threading
 
     from daemon.api.codecs.base import CodecError
     from daemon.api.codecs.constraints import Constraints
@@ -499,6 +501,16 @@ def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) ->
     path = make_dense_checkpoint(tmp_path, with_tokenizer=True)
     tok = TextTokenizer(path, {})
     constraints = Constraints(tok, tok.vocab_size, (0,))
+    assert constraints._compiler is None  # nothing of xgrammar's made at construction
+    made_on: list[str] = []  # the threads that asked for the compiler
+    compiler_now = constraints._compiler_now
+
+    def recorded() -> object:
+        made_on.append(threading.current_thread().name)
+        return compiler_now()
+
+    constraints._compiler_now = recorded
+    constraints.warm()
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]
 
     async def main() -> None:
@@ -513,6 +525,7 @@ def test_forced_calls_grammar_is_built_on_the_pool_and_cached(tmp_path: Path) ->
     asyncio.run(main())
     kinds = [kind for kind, _ in constraints._cache]
     assert kinds == ["dense_tools:hermes", "dense_tools:llama3_json:one"]
+    assert made_on and all(name.startswith("grammar") for name in made_on)
     constraints.close()
 
 

@@ -50,6 +50,14 @@ def reference_tokenizer(gguf_file: Path):
 
 
 @pytest.fixture(scope="module")
+def reference_model(gguf_file: Path):
+    """transformers' model of the GGUF file, in fp32 (its load dequantizes: seconds)."""
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
 def ours(gguf_file: Path) -> TextTokenizer:
     return TextTokenizer(gguf_file, read_config(gguf_file))
 
@@ -85,20 +93,20 @@ def test_chat_template_equals_transformers(
         assert template.encode({"messages": messages}) == reference_tokenizer(want)["input_ids"]
 
 
-def test_greedy_equals_transformers_alone_and_batched(gguf_file: Path, reference_tokenizer):
+def test_greedy_equals_transformers_alone_and_batched(
+    gguf_file: Path, reference_tokenizer, reference_model
+):
     prompts = prompt_ids(reference_tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
-    ).eval()
     # both stop at the model's end of turn (<|im_end|>, 2), which transformers takes from the
     # file's generation config whatever this one says
     config = GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
     with torch.inference_mode():
         want = [
-            model.generate(torch.tensor([p]), generation_config=config)[0, len(p) :].tolist()
+            reference_model.generate(torch.tensor([p]), generation_config=config)[
+                0, len(p) :
+            ].tolist()
             for p in prompts
         ]
-    del model
 
     async def run() -> tuple[list[list[int]], list[list[int]]]:
         cfg = EngineConfig(model=str(gguf_file), dtype="float32", kv_cache_memory_gb=0.05)
@@ -125,7 +133,7 @@ def test_greedy_equals_transformers_alone_and_batched(gguf_file: Path, reference
 
 
 def test_converted_checkpoint_is_the_gguf_for_transformers(
-    gguf_file: Path, reference_tokenizer, tmp_path: Path
+    gguf_file: Path, reference_tokenizer, reference_model, tmp_path: Path
 ) -> None:
     """bench.peers.convert (vLLM's checkpoint): transformers loads it, and its logits and chat
     template are those of the GGUF."""
@@ -134,11 +142,9 @@ def test_converted_checkpoint_is_the_gguf_for_transformers(
     out = convert(gguf_file, tmp_path / "hf")
     ids = torch.tensor([list(range(100, 140))])
     with torch.inference_mode():
-        logits = [
-            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)(ids).logits
-            for path, kw in ((gguf_file.parent, {"gguf_file": gguf_file.name}), (out, {}))
-        ]
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+        want = reference_model(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     tokenizers = [AutoTokenizer.from_pretrained(out), reference_tokenizer]
     rendered = [t.apply_chat_template(CONVERSATIONS[1], tokenize=False) for t in tokenizers]
     assert rendered[0] == rendered[1]

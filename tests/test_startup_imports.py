@@ -1,5 +1,5 @@
-"""What a start imports before the engine is ready: the engine's path leaves xgrammar (and
-with it transformers, ~1 s) to the first constrained request; the command line itself (an admin
+"""What a start imports before the engine is ready: the engine's and the HTTP server's paths
+leave xgrammar (and with it transformers, ~3 s) to the grammar thread, after the server is up; the command line itself (an admin
 call, a settings check) loads no torch (~2 s)."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from tests.daemons import in_checkout
 _IMPORTS = """
 import sys
 import daemon.build.engine, daemon.loop.runner, daemon.service.cli, daemon.service.generate
+import daemon.service.daemon, daemon.api.http.server
 print(sorted(m for m in ("transformers", "xgrammar") if m in sys.modules))
 """
 
 
-def test_the_engine_path_does_not_import_xgrammar_or_transformers() -> None:
+def test_the_serving_path_does_not_import_xgrammar_or_transformers() -> None:
     done = in_checkout([sys.executable, "-c", _IMPORTS], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "[]"

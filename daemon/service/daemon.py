@@ -151,6 +151,8 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     )
     notifier.ready(f"serving {name} at {url}")
     notifier.start_watchdog()
+    if app[STATE].codecs.constraints is not None:  # ready first, the grammar compiler after
+        app[STATE].codecs.constraints.warm()
     status = asyncio.create_task(_report_status(engine, notifier), name="sd-status")
     try:
         await _first_of(signals.stop, engine.failed)

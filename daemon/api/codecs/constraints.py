@@ -8,11 +8,10 @@ import json
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepseek_recipe as dr
 import structlog
-import xgrammar as xgr
 
 from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.dense_tool_grammar import forced_calls_tag
@@ -20,6 +19,9 @@ from daemon.api.codecs.json_schema import ANNOTATIONS, ebnf, unenforced
 from daemon.api.codecs.tool_grammar import MARKER, tool_call_tag
 from daemon.loop.constraint import GrammarConstraint
 from daemon.models.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = structlog.get_logger(__name__)
 
@@ -51,14 +53,29 @@ class Constraints:
     def __init__(
         self, tokenizer: TextTokenizer, vocab_size: int, stop_ids: tuple[int, ...], cache: int = 256
     ) -> None:
-        self.info = tokenizer_info(tokenizer, vocab_size, stop_ids)
         self.marker_id = marker_id(tokenizer)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2)
+        # xgrammar (with transformers, ~3 s) is imported and its vocabulary built on the
+        # grammar thread, not at start: from warm(), or by the first grammar compiled
+        self._vocab = (tokenizer, vocab_size, stop_ids)
+        self._compiler: xgr.GrammarCompiler | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], asyncio.Future[xgr.CompiledGrammar]] = (
             OrderedDict()
         )
         self._limit = cache
+
+    def warm(self) -> None:
+        """Make the compiler now, on the grammar thread (a first grammar then waits for it)."""
+        self._pool.submit(self._compiler_now)
+
+    def _compiler_now(self) -> xgr.GrammarCompiler:
+        """The compiler, made on first use; only the grammar thread calls this."""
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = tokenizer_info(*self._vocab)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
 
     def enforces(self, kind: str) -> bool:
         """Tool calls need the DSML marker token (DeepSeek tokenizers)."""
@@ -113,10 +130,11 @@ class Constraints:
         return Grammar(await self.compile(kind, json.dumps(tools)))
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+        compiler = self._compiler_now()
         if kind == "json":
-            return self.compiler.compile_grammar(ebnf(source or _JSON_OBJECT))
+            return compiler.compile_grammar(ebnf(source or _JSON_OBJECT))
         if kind == "regex":
-            return self.compiler.compile_regex(source)
+            return compiler.compile_regex(source)
         base, one = kind.removesuffix(_ONE), kind.endswith(_ONE)
         if base in TOOL_KINDS and self.marker_id is not None:
             tag = tool_call_tag(
@@ -126,10 +144,10 @@ class Constraints:
                 one=one,
                 marker_id=self.marker_id,
             )
-            return self.compiler.compile_structural_tag(json.dumps(tag))
+            return compiler.compile_structural_tag(json.dumps(tag))
         if kind.startswith(_DENSE_TOOLS):  # source: the forced tools' JSON
             tag = forced_calls_tag(base.removeprefix(_DENSE_TOOLS), json.loads(source), single=one)
-            return self.compiler.compile_structural_tag(tag)
+            return compiler.compile_structural_tag(tag)
         raise ValueError(f"unsupported constraint kind {kind!r}")
 
     async def for_response_format(self, fmt: Any) -> Grammar | None:
@@ -277,6 +295,8 @@ def tokenizer_info(
     """xgrammar's view of the vocabulary; special tokens get no text, so no grammar emits them.
     The DSML marker token gets the byte 0xFF, never valid UTF-8: no character rule emits it,
     only a tool-call grammar's Token(id) (the recipe's parser reads markup by that token)."""
+    import xgrammar as xgr
+
     tok = tokenizer.tokenizer
     special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     vocab = ["" if i in special else (tok.id_to_token(i) or "") for i in range(vocab_size)]

@@ -4,17 +4,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
-
-from xgrammar.structural_tag import (
-    Format,
-    GrammarFormat,
-    StructuralTag,
-    TagFormat,
-    TagsWithSeparatorFormat,
-)
+from typing import TYPE_CHECKING, Any
 
 from daemon.api.codecs.json_schema import ebnf
+
+if TYPE_CHECKING:
+    from xgrammar.structural_tag import Format
 
 # parser -> (text before the name, between the name and the arguments, after them, separator)
 _LAYOUT = {
@@ -25,7 +20,15 @@ _LAYOUT = {
 
 def forced_calls_tag(parser: str, tools: list[dict[str, Any]], *, single: bool) -> str:
     """The structural tag (JSON) of one or more calls and nothing else: one of `tools` each,
-    or exactly one call when `single` (a named choice, or parallel_tool_calls false)."""
+    or exactly one call when `single` (a named choice, or parallel_tool_calls false). Called on
+    the grammar thread: xgrammar is imported there, not at start."""
+    from xgrammar.structural_tag import (
+        GrammarFormat,
+        StructuralTag,
+        TagFormat,
+        TagsWithSeparatorFormat,
+    )
+
     before, middle, after, separator = _LAYOUT[parser]
     tags = [
         TagFormat(

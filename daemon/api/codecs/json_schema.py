@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
-import xgrammar as xgr
 
 # Keywords that constrain nothing.
 ANNOTATIONS = frozenset(
@@ -119,7 +118,10 @@ class Unenforced:
 
 def ebnf(schema: Any) -> str:
     """The grammar of JSON values of `schema` (a dict or its JSON text), written as
-    json.dumps writes it. ValueError / RuntimeError for a schema xgrammar refuses."""
+    json.dumps writes it. ValueError / RuntimeError for a schema xgrammar refuses. Called on the
+    grammar thread: xgrammar (~3 s with transformers) is imported there, not at start."""
+    import xgrammar as xgr
+
     value = json.loads(schema) if isinstance(schema, str) else schema
     text = json.dumps(_sound_formats(value))
     grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
