@@ -42,6 +42,7 @@ def test_decode_steps_move_the_intercept_not_the_slope() -> None:
     slope = (cost.seconds(128, 64, 64) - cost.seconds(64, 64)) / 64
     assert abs(slope - 0.83e-3) < 0.02e-3  # the table's: no step measured it
     assert cost.seconds(32, 32) == table().seconds(32, 32)  # an anchor no step taught
+    assert cost.seconds(0, 0) == table().seconds(0, 0)  # no sequence: no anchor
     # between anchors, a blend of their corrections by nearness (none at the untaught one)
     for seqs in (48, 60, 100):
         share = 1 - abs(seqs - 64) / (32 if seqs < 64 else 64)

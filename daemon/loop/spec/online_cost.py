@@ -139,7 +139,10 @@ class MeasuredCost:
 
 def _anchors(num_seqs: int) -> list[tuple[int, float]]:
     """The anchors (powers of two) a step of `num_seqs` sequences is fitted at, with shares
-    summing to 1: itself where it is one, else the two around it by nearness."""
+    summing to 1: itself where it is one, else the two around it by nearness (none for no
+    sequence)."""
+    if num_seqs < 1:
+        return []
     low = 1 << (num_seqs.bit_length() - 1)
     if low == num_seqs:
         return [(low, 1.0)]
