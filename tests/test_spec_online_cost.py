@@ -1,8 +1,8 @@
 """The online correction of the step-cost table: the table as is until steps are measured, the
 intercept from decode-only steps, the slope once verify steps measure it, no jump in the price
-of a step between batch sizes on either side of a power of two (what sitting out saves), steps with prefill
-chunks fitted apart (their drafts' slope recovered though the chunks shrink as drafts grow), old
-steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
+of a step between batch sizes on either side of a power of two (what sitting out saves), steps
+with prefill chunks fitted apart (their drafts' slope recovered though the chunks shrink as
+drafts grow), old steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
 higher, with chunks in every step or none, and a level error of the table (every step dearer
 than profiled) kept off the drafts' price where the budget stays near its mean."""
 

@@ -8,6 +8,7 @@ profiled on a busy machine, or one whose slope misses, stops misleading the poli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from daemon.loop.spec.cost import CostTable
 
@@ -137,17 +138,18 @@ class MeasuredCost:
         return out
 
 
-def _anchors(num_seqs: int) -> list[tuple[int, float]]:
+@lru_cache(maxsize=1024)  # the policy prices the same batch size many times a step
+def _anchors(num_seqs: int) -> tuple[tuple[int, float], ...]:
     """The anchors (powers of two) a step of `num_seqs` sequences is fitted at, with shares
     summing to 1: itself where it is one, else the two around it by nearness (none for no
     sequence)."""
     if num_seqs < 1:
-        return []
+        return ()
     low = 1 << (num_seqs.bit_length() - 1)
     if low == num_seqs:
-        return [(low, 1.0)]
+        return ((low, 1.0),)
     high_share = (num_seqs - low) / low
-    return [(low, 1.0 - high_share), (2 * low, high_share)]
+    return ((low, 1.0 - high_share), (2 * low, high_share))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
