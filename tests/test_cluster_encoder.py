@@ -74,6 +74,19 @@ def answer(url: str, image: bytes):
     return [(t.token, round(t.logprob, 4)) for t in r.choices[0].logprobs.content]
 
 
+# Logprobs of two processes on the same embeddings may differ a little: a CI run saw 1.5e-3
+# (not reproduced here: 12 runs of this test, 40 schedules of the
+# engine-level test; cause not found). One wrong image position moves them
+# by >= 2e-2 (the tiny LLaVA of tests/test_api_images.py, measured with transformers).
+LOGPROB_TOLERANCE = 3e-3
+
+
+def alike(a: list[tuple[str, float]], b: list[tuple[str, float]]) -> bool:
+    """The same tokens, with logprobs within the tolerance."""
+    tokens_equal = [t for t, _ in a] == [t for t, _ in b]
+    return tokens_equal and all(abs(x - y) <= LOGPROB_TOLERANCE for (_, x), (_, y) in zip(a, b))
+
+
 def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     enc_port, node_port = free_port(), free_port()
@@ -101,11 +114,11 @@ def test_remote_encoder_equals_single_node_and_failures_are_clean(llava_chat_dir
         single = answer(enc, image)  # the encoder node as a single node: its own tower
         assert metric(enc, "images_encoded") == 1  # found in its cache by content hash
         assert metric(enc, "images_preprocessed") == 1  # looked up before any pixel work
-        assert remote == single
+        assert alike(remote, single), (remote, single)
         other = answer(enc, png(8))  # a different image changes the answer
-        assert other != single
+        assert not alike(other, single)
         # sent to the encoder node a second time (the node has not seen it): from its cache
-        assert answer(node, png(8)) == other
+        assert alike(answer(node, png(8)), other)
         assert metric(enc, "images_encoded") == 2
         assert metric(enc, "images_preprocessed") == 2
         # a Messages `image` block goes the same way: to the encoder node, the chat answer
