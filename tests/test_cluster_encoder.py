@@ -75,9 +75,8 @@ def answer(url: str, image: bytes):
 
 
 # Logprobs of two processes on the same embeddings may differ a little: a CI run saw 1.5e-3
-# (not reproduced here: 12 runs of this test, 40 schedules of the
-# engine-level test; cause not found). One wrong image position moves them
-# by >= 2e-2 (the tiny LLaVA of tests/test_api_images.py, measured with transformers).
+# (not reproduced here in 12 runs of this test and 40 schedules of the engine-level one; cause
+# not found). One wrong image position moves them by >= 2e-2 (this tiny LLaVA, transformers).
 LOGPROB_TOLERANCE = 3e-3
 
 
