@@ -4,7 +4,8 @@ of a step between batch sizes on either side of a power of two (what sitting out
 with prefill chunks fitted apart (their drafts' slope recovered though the chunks shrink as
 drafts grow), old steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
 higher, with chunks in every step or none, and a level error of the table (every step dearer
-than profiled) kept off the drafts' price where the budget stays near its mean."""
+than profiled) kept off the drafts' price where the budget stays near its mean, and a step that
+verifies at all charged its own cost beside each draft row's."""
 
 from __future__ import annotations
 
@@ -246,3 +247,39 @@ def test_a_verify_that_costs_its_sequence_a_step_is_not_chosen_for_a_weak_draft(
         policy.observe_step(seqs + drafts, seqs, drafts, sit_out_seconds(seqs, drafts))
     assert policy.choose([Candidate("weak", [0.6] * 5, 5)], 32, 32) == [0]
     assert policy.choose([Candidate("sure", [0.99] * 5, 5)], 32, 32) == [5]
+
+
+def jump_table() -> CostTable:
+    # profiled at 16 and 64 sequences: 47 and 90 ms of decodes, 0.8 ms a row beyond
+    return CostTable(
+        [
+            CostRow(16, [16, 48], [0.047, 0.047 + 32 * 0.8e-3]),
+            CostRow(64, [64, 128], [0.090, 0.090 + 64 * 0.8e-3]),
+        ]
+    )
+
+
+def jump_seconds(drafts: int) -> float:
+    # what steps of 32 sequences take (bench.spec_cost on SmolLM2, 2 Xeon cores with AMX): 59 ms
+    # of decodes, 5 ms more for any verify (33 rows cost 5 ms more than 32; the verify's own
+    # work), then 0.6 ms a draft row
+    return 0.059 + (0.005 + 0.6e-3 * drafts if drafts else 0.0)
+
+
+def test_a_step_that_verifies_is_charged_its_own_cost() -> None:
+    policy = build_policy("adaptive", 5, jump_table())
+    assert isinstance(policy, AdaptivePolicy) and isinstance(policy.cost, MeasuredCost)
+    rng = random.Random(11)
+    for _ in range(400):
+        drafts = rng.choice([0, 0, 1, 2, 3, 6, 10])
+        policy.observe_step(32 + drafts, 32, drafts, jump_seconds(drafts))
+    cost = policy.cost
+    first = cost.seconds(33, 32, 1) - cost.seconds(32, 32)
+    assert abs(first - 5.6e-3) < 0.6e-3, first  # a slope alone fitted it at 1.3 ms
+    (fit,) = cost.corrections()
+    assert abs(fit["verify_s"] - 0.005) < 1e-3 and abs(fit["slope_s_per_token"]) < 0.3e-3
+    # a decode token is worth 1.84 ms here: one draft of 0.9 does not pay for the verify,
+    # eight of them together do (7.2 tokens for 9.8 ms)
+    assert policy.choose([Candidate("one", [0.9] * 5, 1)], 32, 32) == [0]
+    many = [Candidate(f"r{i}", [0.9] * 5, 1) for i in range(8)]
+    assert policy.choose(many, 32, 32) == [1] * 8

@@ -649,7 +649,10 @@ class ModelRunner:
         """The sequences without drafts: one token each, from their one row."""
         if step.sample_rows is not None:
             rows = step.sample_rows.to(self.device, non_blocking=True)
-            logits, raw = logits[rows], raw[rows]
+            # raw is logits itself where no logprobs are wanted: one copy of the rows, not two
+            # (a step's whole vocabulary a row: ~0.7 ms for 32 rows of SmolLM2 on 2 cores)
+            selected = logits.index_select(0, rows)
+            logits, raw = selected, selected if raw is logits else raw.index_select(0, rows)
         penalty_rows = step.penalty_rows
         if step.sample_rows is not None and penalty_rows:
             at = {row: i for i, row in enumerate(step.sample_rows.tolist())}

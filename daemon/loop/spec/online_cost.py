@@ -2,8 +2,9 @@
 the powers of two (a step between two anchors teaches both, and is priced from both, each by its
 nearness, so the correction has no step where a bucket would end), and apart for steps with and
 without prefill chunks, a decaying ridge fit of (measured - table) seconds against the step's
-draft tokens and its chunk tokens (centred: a level error stays in the intercept), so a table
-profiled on a busy machine, or one whose slope misses, stops misleading the policy."""
+draft tokens, its chunk tokens and whether it verifies at all (centred: a level error stays in
+the intercept), so a table profiled on a busy machine, or one whose slope misses, stops
+misleading the policy."""
 
 from __future__ import annotations
 
@@ -15,20 +16,23 @@ from daemon.loop.spec.cost import CostTable
 MEMORY = 0.98  # weight an observation keeps per later one in its fit: about the last 50
 # the fit's prior, in observations' worth: an intercept of 0 (as good as 2 steps), a draft slope
 # of 0 as good as 2 steps 8 drafts from the fit's mean, a chunk slope of 0 as good as 2 steps 64
-# chunk tokens from its mean; so decode-only steps move the intercept alone and the table's
-# slopes stand until steps that differ measure their own
-RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 64.0**2)
+# chunk tokens from its mean, a verify cost of 0 as good as half a step; so decode-only steps move
+# the intercept alone and the table's slopes stand until steps that differ measure their own
+RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 64.0**2, 0.5)
+FEATURES = len(RIDGE)  # (1, draft tokens, chunk tokens, 1 if the step verifies any draft)
 FLOOR = 0.25  # a corrected cost never falls below this share of the table's
 
 
 @dataclass
 class _Fit:
-    """Weighted sums of one fit's residuals y against the features (1, drafts, chunk tokens),
-    decayed per observation."""
+    """Weighted sums of one fit's residuals y against the features (1, drafts, chunk tokens,
+    verifies), decayed per observation."""
 
-    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
-    _coef: tuple[float, float, float] | None = None
+    xx: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)]
+    )
+    xy: list[float] = field(default_factory=lambda: [0.0] * FEATURES)
+    _coef: tuple[float, ...] | None = None
 
     @property
     def weight(self) -> float:
@@ -37,35 +41,36 @@ class _Fit:
     def add(self, drafts: float, chunk: float, y: float, memory: float, weight: float) -> None:
         """An observation of `weight` (a share of a step): it ages the older ones by
         memory**weight, so a fit taught by parts of steps forgets as fast per step."""
-        x = (1.0, drafts, chunk)
+        x = (1.0, drafts, chunk, _verifies(drafts, chunk))
         decay = memory**weight
-        for i in range(3):
+        for i in range(FEATURES):
             self.xy[i] = self.xy[i] * decay + weight * x[i] * y
             row = self.xx[i]
-            for j in range(3):
+            for j in range(FEATURES):
                 row[j] = row[j] * decay + weight * x[i] * x[j]
         self._coef = None
 
-    def coef(self) -> tuple[float, float, float]:
-        """(intercept, draft slope, chunk slope): the slopes by ridge regression on the
-        features centred at their weighted means, then the intercept from the mean residual
-        (shrunk by its own ridge term). Centred, the slopes learn only from how the residual
-        moves with the drafts and the chunk: a level error of the table (a busier machine,
-        longer contexts than the profile's) goes to the intercept, not to the drafts when a
-        budget seldom strays far from its mean."""
+    def coef(self) -> tuple[float, ...]:
+        """(intercept, draft slope, chunk slope, verify cost): the last three by ridge
+        regression on the features centred at their weighted means, then the intercept from
+        the mean residual (shrunk by its own ridge term). Centred, they learn only from how
+        the residual moves with the drafts, the chunk and whether a step verifies: a level
+        error of the table (a busier machine, longer contexts than the profile's) goes to the
+        intercept, not to the drafts when a budget seldom strays far from its mean."""
         if self._coef is None:
             w, mx, y = self.xx[0][0], self.xx[0][1:], self.xy[0]
+            rest = range(1, FEATURES)
             a = [
                 [
                     self.xx[i][j] - mx[i - 1] * mx[j - 1] / w + (RIDGE[i] if i == j else 0.0)
-                    for j in (1, 2)
+                    for j in rest
                 ]
-                for i in (1, 2)
+                for i in rest
             ]
-            b = [self.xy[i] - mx[i - 1] * y / w for i in (1, 2)]
+            b = [self.xy[i] - mx[i - 1] * y / w for i in rest]
             slopes = _solve(a, b)
-            intercept = (y - mx[0] * slopes[0] - mx[1] * slopes[1]) / (w + RIDGE[0])
-            self._coef = (intercept, slopes[0], slopes[1])
+            intercept = (y - sum(m * s for m, s in zip(mx, slopes))) / (w + RIDGE[0])
+            self._coef = (intercept, *slopes)
         return self._coef
 
 
@@ -86,7 +91,14 @@ class MeasuredCost:
     on the chunk, so a draft row costs them another amount. The chunk's tokens are a known
     covariate of that fit, not left to its intercept: drafts take the token budget the chunks
     leave, so a step with more drafts has smaller chunks, and a fit on the drafts alone would
-    charge them the table's error on the chunk tokens they displaced."""
+    charge them the table's error on the chunk tokens they displaced.
+
+    A chunk-free step that verifies any draft has a cost of its own, fitted apart from the
+    per-draft slope: the step's cost is not linear in its rows (SmolLM2 on 2 Xeon cores with AMX: 32
+    decodes 59.4 ms, 33 64.4 ms, then ~0.7 ms a row to 48), and verifying selects the sampled
+    rows and runs the verify. The table's rows at 16 and 64 sequences interpolate over such a
+    jump, and a slope fitted to 1 to 10 drafts a step would spread it thin: a first draft at 32
+    sequences priced ~1.3 ms where it costs 5.3 (bench.spec_cost --verify 1x1)."""
 
     table: CostTable
     memory: float = MEMORY
@@ -103,8 +115,9 @@ class MeasuredCost:
         for anchor, share in _anchors(num_seqs):
             fit = self._fits.get((anchor, chunk > 0))
             if fit is not None:
-                a, b, c = fit.coef()
-                correction += share * (a + b * num_drafts + c * chunk)
+                a, b, c, v = fit.coef()
+                verifies = _verifies(num_drafts, chunk)
+                correction += share * (a + b * num_drafts + c * chunk + v * verifies)
         return max(base + correction, FLOOR * base)
 
     def observe(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
@@ -121,10 +134,11 @@ class MeasuredCost:
 
     def corrections(self) -> list[dict[str, float | bool]]:
         """Each fit: its anchor's batch size, whether of steps with chunks, its weight, the
-        intercept (s) and slopes (s per draft token, s per chunk token)."""
+        intercept (s), slopes (s per draft token, s per chunk token) and the verify cost (s a
+        step that verifies any draft)."""
         out: list[dict[str, float | bool]] = []
         for (anchor, chunks), fit in sorted(self._fits.items()):
-            a, b, c = fit.coef()
+            a, b, c, v = fit.coef()
             out.append(
                 {
                     "seqs": anchor,
@@ -133,9 +147,17 @@ class MeasuredCost:
                     "intercept_s": round(a, 6),
                     "slope_s_per_token": round(b, 7),
                     "chunk_slope_s_per_token": round(c, 7),
+                    "verify_s": round(v, 6),
                 }
             )
         return out
+
+
+def _verifies(drafts: float, chunk: float) -> float:
+    """The verify feature: 1 for a chunk-free step with drafts. Beside a chunk the rows are
+    many anyway, and a step without drafts has chunks where a step with them has few (drafts
+    take the budget a prompt's last chunk leaves): there it would take the chunk's slope."""
+    return 1.0 if drafts > 0 and chunk == 0 else 0.0
 
 
 @lru_cache(maxsize=1024)  # the policy prices the same batch size many times a step
