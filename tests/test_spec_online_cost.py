@@ -2,10 +2,10 @@
 intercept from decode-only steps, the slope once verify steps measure it, no jump in the price
 of a step between batch sizes on either side of a power of two (what sitting out saves), steps
 with prefill chunks fitted apart (their drafts' slope recovered though the chunks shrink as
-drafts grow), old steps forgotten, the adaptive policy drafting less once the measured cost of a draft is
-higher, with chunks in every step or none, and a level error of the table (every step dearer
-than profiled) kept off the drafts' price where the budget stays near its mean, and a step that
-verifies at all charged its own cost beside each draft row's."""
+drafts grow), old steps forgotten, the adaptive policy drafting less once the measured cost of
+a draft is higher, with chunks in every step or none, a level error of the table (every step
+dearer than profiled) kept off the drafts' price where the budget stays near its mean, and a
+step that verifies at all charged its own cost beside each draft row's."""
 
 from __future__ import annotations
 

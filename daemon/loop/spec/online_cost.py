@@ -94,11 +94,11 @@ class MeasuredCost:
     charge them the table's error on the chunk tokens they displaced.
 
     A chunk-free step that verifies any draft has a cost of its own, fitted apart from the
-    per-draft slope: the step's cost is not linear in its rows (SmolLM2 on 2 Xeon cores with AMX: 32
-    decodes 59.4 ms, 33 64.4 ms, then ~0.7 ms a row to 48), and verifying selects the sampled
-    rows and runs the verify. The table's rows at 16 and 64 sequences interpolate over such a
-    jump, and a slope fitted to 1 to 10 drafts a step would spread it thin: a first draft at 32
-    sequences priced ~1.3 ms where it costs 5.3 (bench.spec_cost --verify 1x1)."""
+    per-draft slope: a step's cost is not linear in its rows (SmolLM2 on 2 Xeon cores with
+    AMX: 32 decodes 59.4 ms, 33 64.4 ms, then ~0.7 ms a row to 48), and verifying selects the
+    sampled rows and runs the verify. The table's rows at 16 and 64 sequences interpolate over
+    such a jump, and a slope fitted to 1 to 10 drafts a step spreads it thin: a first draft at
+    32 sequences was priced ~1.3 ms where it costs 6.6 (bench.spec_cost --verify 1x1)."""
 
     table: CostTable
     memory: float = MEMORY
