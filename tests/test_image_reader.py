@@ -12,7 +12,7 @@ import torch
 
 from daemon.api.codecs.base import CodecError
 from daemon.api.codecs.images import ImageLimits, ImageReader, ImageRef, expand_placeholders
-from daemon.loop.images import ImageRejected
+from daemon.loop.image_input import ImageRejected
 from daemon.models.checkpoints import LLAVA_IMAGE_SIZE
 from tests.test_api_images import data_url, png
 

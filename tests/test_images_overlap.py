@@ -15,7 +15,7 @@ import pytest
 from daemon.build.config import EngineConfig
 from daemon.build.engine import build_engine
 from daemon.loop.engine import Engine
-from daemon.loop.images import ImageInput
+from daemon.loop.image_input import ImageInput
 from daemon.loop.request import Request, RequestStatus, SamplingParams
 from tests.test_api_images import image_prompt, png
 

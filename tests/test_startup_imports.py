@@ -1,6 +1,6 @@
 """What a start imports before the engine is ready: the engine's and the HTTP server's paths
-leave xgrammar (and with it transformers, ~3 s) to the grammar thread, after the server is up; the command line itself (an admin
-call, a settings check) loads no torch (~2 s)."""
+leave xgrammar (and with it transformers, ~3 s) to the grammar thread, after the server is up;
+the command line itself (an admin call, a settings check) loads no torch (~2 s)."""
 
 from __future__ import annotations
 

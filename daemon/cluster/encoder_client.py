@@ -24,7 +24,8 @@ from daemon.cluster.image_wire import (
     unpack,
 )
 from daemon.cluster.registry_routes import NODES
-from daemon.loop.images import EncoderFailed, ImageEncoder, ImageInput, ImageRejected
+from daemon.loop.image_input import ImageInput, ImageRejected
+from daemon.loop.images import EncoderFailed, ImageEncoder
 
 log = structlog.get_logger(__name__)
 

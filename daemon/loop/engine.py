@@ -29,7 +29,8 @@ from daemon.kv.tier_ops import CacheOps
 from daemon.kv.traffic import TrafficClasses
 from daemon.loop.handoff import Fetched, KVSource, StoreOffer
 from daemon.loop.handoffs import Handoffs
-from daemon.loop.images import ImageEmbeddings, ImageInput, ImageSpan
+from daemon.loop.image_input import ImageInput
+from daemon.loop.images import ImageEmbeddings, ImageSpan
 from daemon.loop.moe_control import MoEControl
 from daemon.loop.openmp import release_thread_team
 from daemon.loop.output import OutputProcessor

@@ -20,7 +20,8 @@ from daemon.cluster.image_wire import (
     pack,
     unpack_encoded,
 )
-from daemon.loop.images import EncoderFailed, ImageRejected
+from daemon.loop.image_input import ImageRejected
+from daemon.loop.images import EncoderFailed
 
 MAX_IMAGE_PAYLOAD_BYTES = 256 << 20
 

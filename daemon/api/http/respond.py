@@ -17,7 +17,8 @@ from daemon.api.http.errors import anthropic_error_body, bad_request, is_anthrop
 from daemon.api.http.fanout import FanOut, submit_all
 from daemon.api.http.sse import SSEWriter
 from daemon.loop.engine import Engine, RequestRejected
-from daemon.loop.images import EncoderFailed, ImageRejected, ImageSpan
+from daemon.loop.image_input import ImageRejected
+from daemon.loop.images import EncoderFailed, ImageSpan
 from daemon.loop.request import FinishReason, Request
 
 log = structlog.get_logger(__name__)
