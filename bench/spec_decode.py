@@ -208,7 +208,8 @@ def _write_result(
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
     (plan.out / "spec.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (plan.out / "table.md").write_text(report.markdown(runs) + "\n")
+    arms = "; ".join(f"{a}: `{' '.join(arm_flags(plan, a)) or '-'}`" for a in plan.arms)
+    (plan.out / "table.md").write_text(f"Arms' flags: {arms}\n\n{report.markdown(runs)}\n")
     return result
 
 
