@@ -11,7 +11,8 @@ from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.loop.request import FinishReason, Request, SamplingParams
 from daemon.loop.scheduler import Scheduler
 from daemon.loop.spec.base import Draft
-from daemon.loop.spec.policy import FixedPolicy
+from daemon.loop.spec.cost import CostRow, CostTable
+from daemon.loop.spec.policy import AdaptivePolicy, FixedPolicy
 from daemon.loop.spec.speculator import Speculator
 
 SPEC = FullAttentionSpec(
@@ -144,6 +145,31 @@ class _Lookup:
 
     def finished(self, req: Request) -> None:
         pass
+
+
+def _expensive_drafts() -> AdaptivePolicy:
+    """An adaptive policy to which any draft row costs ten decode steps."""
+    rows = [CostRow(1, [1, 2], [1.0, 11.0]), CostRow(4, [4, 5], [1.0, 11.0])]
+    return AdaptivePolicy(2, CostTable(rows), hold=True)
+
+
+@pytest.mark.parametrize(
+    "policy,joins", [(lambda: FixedPolicy(2), "bcd"), (_expensive_drafts, "abcd")]
+)
+def test_a_decode_is_held_for_drafts_only_where_they_would_be_verified(policy, joins) -> None:
+    """With overlap, a decode whose token is in flight is held back a step for drafts only
+    where the policy would verify a draft made from its known tokens: "a" has one, the others
+    none, so they join the overlapped step (a hold would cost each a step and verify nothing);
+    a policy that verifies no draft at that price holds no one."""
+    s = make(num_blocks=64, budget=32)
+    s.speculator = Speculator(_Lookup({"a"}), policy(), 2)
+    for name in "abcd":
+        s.add(req(name, 3, max_tokens=16))
+    s.schedule()  # the prefills, in flight: no first token known yet
+    step = s.schedule(overlapped=True)
+    assert "".join(sorted(x.request.request_id for x in step.seqs)) == joins
+    held = {r.request_id: r.hold_check for r in s.running}
+    assert held == {n: (3, n not in joins) for n in "abcd"}
 
 
 @pytest.mark.parametrize("drafting,thin", [("abc", True), ("ab", False)])

@@ -212,7 +212,7 @@ class Scheduler:
             for req in self.running
             if req.status == RequestStatus.RUNNING
             and not _waits_on_its_step(req)
-            and not (self._may_hold(req) and _takes_drafts(req.decodes_without_drafts))
+            and not (self._may_hold(req) and self._wants_drafts(req))
         )
         return ready < OVERLAP_MIN_SHARE * len(self.running)
 
@@ -220,13 +220,31 @@ class Scheduler:
         """With overlap: a decode whose last token is still on the device cannot be drafted
         for; it is held back for a step (its token then known) while its drafts have been
         worth verifying, and once they have not, after PROBE_EVERY decodes without, twice as
-        many, and so on (each hold costs it a step)."""
+        many, and so on (each hold costs it a step): `_wants_drafts`."""
         if not self._may_hold(req):
             return False
-        if _takes_drafts(req.decodes_without_drafts):
+        if self._wants_drafts(req):
             return True
         req.decodes_without_drafts += 1
         return False
+
+    def _wants_drafts(self, req: Request) -> bool:
+        """Whether a decode whose last token is in flight is held back for drafts: at the
+        decodes `_takes_drafts` names, and with a drafter on the host only where the policy
+        would verify drafts from its known tokens (`Speculator.worth_holding`): a hold that
+        verifies nothing costs the request a step, and under a policy that declines most
+        drafts (chat at high concurrency) nearly every hold was such. Decided once per
+        position (`_thin` asks first)."""
+        spec = self.speculator
+        if spec is None or not _takes_drafts(req.decodes_without_drafts):
+            return False
+        if isinstance(spec.drafter, DeviceDrafter):  # its drafts are made on the device
+            return True
+        at = req.num_known_tokens
+        if req.hold_check is None or req.hold_check[0] != at:
+            limit = req.params.max_tokens - req.num_sampled_scheduled - 1  # after its next
+            req.hold_check = (at, spec.worth_holding(req, limit, len(self.running)))
+        return req.hold_check[1]
 
     def _may_hold(self, req: Request) -> bool:
         """A speculating decode whose last token is still in flight, with a draft possible

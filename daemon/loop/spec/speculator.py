@@ -63,6 +63,22 @@ class Speculator:
                 planned[i].length = max(0, min(int(n), c.max_len))
         return planned
 
+    def worth_holding(self, req: Request, limit: int, num_seqs: int) -> bool:
+        """Whether a decode whose last token is still in flight is worth holding back a step
+        for drafts: the policy would verify some of a draft made from its known tokens, one
+        position early (its first token guesses the one in flight, the rest follow it), in a
+        decode step of `num_seqs` sequences. `limit`: the most drafts it may verify after its
+        next token. Optimistic (as if the guess were right), so it declines only holds that
+        would verify nothing even then."""
+        limit = min(limit, self.k)
+        if limit <= 0:
+            return False
+        confidence = list(self.drafter.propose(req, limit + 1).confidence[1:])
+        if not confidence:
+            return False
+        candidate = Candidate(req.request_id, confidence, len(confidence))
+        return any(self.policy.choose([candidate], num_seqs, num_seqs))
+
     def observe(self, req: Request, proposal: Draft, verified: int, accepted: int) -> None:
         """A verified draft's outcome: to the drafter, the policy's calibration and the stats."""
         self.drafter.observe(req, proposal, accepted)
