@@ -1,7 +1,7 @@
 """python -m bench.spec_decode [--concurrency 1 8 32 64 --repeats 2 --drafter ngram]: issue 20's
 measurement. Output tok/s of `deepinfer serve` (SmolLM2-135M-Instruct by default) with no
 speculation, `--speculative D --num-speculative-tokens 5 --spec-policy fixed` and `--speculative D
---spec-policy adaptive`, a server per arm up together, each point's arms back to back in a
+--num-speculative-tokens 8 --spec-policy adaptive` (8 the most it may verify), a server per arm up together, each point's arms back to back in a
 rotating order, medians over repeats (fresh servers each); on two workloads of real text sent as
 chat requests: (a) editing / summarising passages of the project's prose, (b) open chat. The ratios against issue 20's targets, acceptance by position and
 the calibration table from the servers' counters; a markdown table, a JSON file, a PNG."""
@@ -51,7 +51,8 @@ class Plan:
     texts: list[Path] = field(default_factory=list)
     temperature: float = 0.0
     fixed_k: int = 5
-    adaptive_k: int | None = None  # adaptive's --num-speculative-tokens (None: the server's)
+    # adaptive's --num-speculative-tokens: the most it may verify; it chooses fewer, or none
+    adaptive_k: int = 8
     warmup: int = 4  # untimed requests per started server
     seed: int = 0
     ready_timeout_s: float = 900.0
@@ -70,8 +71,7 @@ def arm_flags(plan: Plan, arm: str) -> list[str]:
     flags = ["--speculative", plan.drafter]
     if arm == "fixed":
         return flags + ["--num-speculative-tokens", str(plan.fixed_k), "--spec-policy", "fixed"]
-    k = ["--num-speculative-tokens", str(plan.adaptive_k)] if plan.adaptive_k else []
-    return flags + k + ["--spec-policy", "adaptive"]
+    return flags + ["--num-speculative-tokens", str(plan.adaptive_k), "--spec-policy", "adaptive"]
 
 
 def build_requests(plan: Plan) -> tuple[dict[str, dict[int, Path]], Path, dict[str, Any]]:
@@ -260,8 +260,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--adaptive-k",
         type=int,
-        default=None,
-        help="adaptive arm's --num-speculative-tokens (default: the server's)",
+        default=8,
+        help="adaptive arm's --num-speculative-tokens: the most a request may verify in a step; "
+        "the policy chooses how many (default 8)",
     )
     p.add_argument("--warmup", type=int, default=4, help="untimed requests per started server")
     p.add_argument("--seed", type=int, default=0)

@@ -278,7 +278,9 @@ def test_end_to_end(chat_model: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert table.count("| no speculation |") == 4 and table.strip() in printed
     # what each arm ran with, the adaptive arm's ceiling included
     assert "fixed: `--speculative ngram --num-speculative-tokens 5 --spec-policy fixed`" in table
-    assert "adaptive: `--speculative ngram --spec-policy adaptive`" in table
+    assert (
+        "adaptive: `--speculative ngram --num-speculative-tokens 8 --spec-policy adaptive`" in table
+    )
     names = [report.ARM_NAMES[a] for a in arms]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
