@@ -1,10 +1,12 @@
 """python -m bench.spec_decode [--concurrency 1 8 32 64 --repeats 2 --drafter ngram]: issue 20's
 measurement. Output tok/s of `deepinfer serve` (SmolLM2-135M-Instruct by default) with no
 speculation, `--speculative D --num-speculative-tokens 5 --spec-policy fixed` and `--speculative D
---num-speculative-tokens 8 --spec-policy adaptive` (8 the most it may verify), a server per arm up together, each point's arms back to back in a
-rotating order, medians over repeats (fresh servers each); on two workloads of real text sent as
-chat requests: (a) editing / summarising passages of the project's prose, (b) open chat. The ratios against issue 20's targets, acceptance by position and
-the calibration table from the servers' counters; a markdown table, a JSON file, a PNG."""
+--num-speculative-tokens 8 --spec-policy adaptive` (8 the most it may verify), a server per arm
+up together, each point's arms back to back in a rotating order, medians over repeats (fresh
+servers each); on two workloads of real text sent as chat requests: (a) editing / summarising
+passages of the project's prose, (b) open chat. The ratios against issue 20's targets,
+acceptance by position and the calibration table from the servers' counters; a markdown table,
+a JSON file, a PNG."""
 
 from __future__ import annotations
 
