@@ -299,9 +299,9 @@ def profile_steps(engine: Any) -> StepProfile:
     execute, process = engine.runner.execute, engine._process
     last_schedule = [0.0]
 
-    def timed_schedule() -> Any:
+    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
-        step = schedule()
+        step = schedule(*args, **kwargs)
         last_schedule[0] = time.perf_counter() - t
         return step
 

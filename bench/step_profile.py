@@ -50,6 +50,7 @@ GEMM_OPS = {
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::_weight_int8pack_mm",
     "mkldnn::_linear_pointwise",
+    "deepinfer::packed_linear",  # its own share: the lookup of the packed weight, the reshapes
 }
 # module class name (a substring of it) -> class of the non-GEMM ops run inside it
 MODULE_CLASSES = (

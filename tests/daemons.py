@@ -43,10 +43,18 @@ def checkout_env() -> dict[str, str]:
     return os.environ | {"PYTHONPATH": path}
 
 
-def in_checkout(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """`argv` run to its end from the checkout's root in its environment, output kept as text."""
+def in_checkout(
+    argv: list[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`argv` run to its end from the checkout's root in its environment (with `env` over it),
+    output kept as text."""
     return subprocess.run(
-        argv, cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=timeout
+        argv,
+        cwd=ROOT,
+        env=checkout_env() | (env or {}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from bench.common import profile_steps
 from bench.step_profile import (
     CLASSES,
     PYTHON,
@@ -73,6 +74,7 @@ def test_a_real_engine_profiles_its_decode_steps(tiny_model_dir: Path, tmp_path:
     engine, _ = build_engine(
         EngineConfig(model=str(tiny_model_dir), kv_cache_memory_gb=0.02, max_num_seqs=4)
     )
+    timers = profile_steps(engine)  # the benchmarks' step timers, wrapped around the engine
     ops = StepOpProfile(engine, decode_at(3), steps=4, skip=2)
 
     async def run() -> None:
@@ -89,6 +91,8 @@ def test_a_real_engine_profiles_its_decode_steps(tiny_model_dir: Path, tmp_path:
     asyncio.run(run())
     summary = ops.summary()
     assert summary["steps"] == 4 and summary["batch"] == 3
+    assert len(timers.schedule) == len(timers.prepare) == len(timers.execute) >= 12
+    assert 3 in timers.decode_steps and len(timers.process) == len(timers.execute)
     assert engine.runner.execute == ops._execute  # unwrapped again
     classes = summary["classes_ms"]
     for c in ("gemm", "attention", "norm", "sampling"):

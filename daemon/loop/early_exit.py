@@ -12,7 +12,7 @@ import torch
 
 from daemon.loop.constraint import Constraint, allocate_bitmask, apply_bitmask
 from daemon.loop.request import SamplingParams
-from daemon.loop.sampler import SamplingBatch, row_generator, warped_probs
+from daemon.loop.sampler import SamplingBatch, greedy, row_generator, warped_probs
 from daemon.loop.spec.base import Draft
 from daemon.loop.spec.device_drafter import EarlyDraft
 from daemon.models.base import AttentionMetadata, EarlyExitModel, ModelCache, SeqSlice
@@ -214,7 +214,7 @@ def draft_passes(
         context, context_of = out, act
         params = [rows.params[i] for i in act]
         sb = SamplingBatch.build(params, [first[i] + j for i in act], vocab).to(dev)
-        chosen = logits.argmax(dim=-1)
+        chosen = greedy(logits)
         if sb.all_greedy:  # the confidence: the argmax's softmax probability
             q = logits.softmax(dim=-1)
         else:  # a greedy row's is its softmax too

@@ -170,11 +170,17 @@ def _sample_cpu(
     return sampling_cpu.sample_rows(weights, sb.top_k, sb.top_p, sb.min_p, u)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima, as argmax): `max` over the last dim, 2.4x
+    faster than `argmax` on a CPU ([64, 49152] fp32: 0.98 against 2.38 ms; bf16 5.8 ms)."""
+    return logits.max(dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None
 ) -> SampleResult:
     """logits: [S, V] float32, penalties already applied (raw logprobs taken before)."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = greedy(logits)
     if sb.all_greedy:
         tokens = greedy_tokens
     elif sampling_cpu.supports(logits):

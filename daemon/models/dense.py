@@ -16,8 +16,9 @@ from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
 from daemon.models.compiled import CompiledDecode
 from daemon.models.graphs import PagedDecodeGraphs
-from daemon.models.layers import RMSNorm, column_major, silu_and_mul
+from daemon.models.layers import Linear, RMSNorm, column_major, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
+from kernels import packed_linear
 
 
 @dataclass
@@ -83,10 +84,8 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
@@ -131,8 +130,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DenseConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -175,6 +174,8 @@ class DenseForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    head_packed = False  # the logits' weight (`after_load`)
+
     def __init__(self, cfg: DenseConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
@@ -189,7 +190,7 @@ class DenseForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             self.lm_head.weight = nn.Parameter(column_major(cfg.vocab_size, cfg.hidden_size))
 
     @property
@@ -262,8 +263,24 @@ class DenseForCausalLM(nn.Module):
             x = layer(x, positions, batch, kv)
         return self.norm(x)
 
+    def after_load(self) -> None:
+        """Every linear weight packed where the CPU runs bf16 packed (`Linear.pack`), the
+        logits' too (the embedding's where tied)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is not None:
+            self.head_packed = self.lm_head.packed
+        else:
+            self.head_packed = packed_linear.pack(self.embed_tokens.weight)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._head_weight()
+        if self.head_packed:
+            return packed_linear.linear(hidden, weight, None).float()
         return (hidden @ weight.t()).float()
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import packed_linear
+
 
 def column_major(*shape: int) -> torch.Tensor:
     """An uninitialised weight of `shape` [..., out, in] whose last two dims are stored
@@ -14,6 +16,23 @@ def column_major(*shape: int) -> torch.Tensor:
     3x at one; prefill-sized products are about even."""
     *batch, out_features, in_features = shape
     return torch.empty(*batch, in_features, out_features).transpose(-1, -2)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that runs on a packed copy of its weight once `pack` has made one (bf16 on a
+    CPU with bf16 instructions: `kernels.packed_linear`); `packed` is a plain attribute, so a
+    compiled graph is traced (and keyed) for one path or the other."""
+
+    packed = False
+
+    def pack(self) -> None:
+        """After the weights are loaded; a weight `packed_linear` cannot pack stays plain."""
+        self.packed = packed_linear.pack(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -115,7 +115,9 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.language_model.num_layers
 
     def after_load(self) -> None:
-        """Buffers that no checkpoint holds (built on the meta device, then left empty)."""
+        """Buffers that no checkpoint holds (built on the meta device, then left empty); the
+        language model's own step after its weights are in."""
+        self.language_model.after_load()
         emb = self.vision_tower.embeddings
         n = emb.position_ids.shape[-1]
         emb.position_ids.copy_(torch.arange(n, device=emb.position_ids.device).view(1, -1))

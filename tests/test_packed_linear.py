@@ -1,0 +1,115 @@
+"""`deepinfer::packed_linear` against `F.linear`: eager, compiled, after an in-place write to the
+weight, and the plain fallback; `Linear` and a loaded dense model packing their weights."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from daemon.models.layers import Linear
+from daemon.models.loader import load_model
+from kernels import packed_linear
+from tests.checkpoints import make_dense_checkpoint
+from tests.daemons import in_checkout
+
+BF16 = torch.bfloat16
+needs_packing = pytest.mark.skipif(
+    not packed_linear.supported(torch.empty(1, 1, dtype=BF16)),
+    reason="this CPU's oneDNN has no bf16 instructions (or DEEPINFER_CPU_KERNELS=0)",
+)
+
+
+def weights(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_features, in_features, generator=g) * 0.05).to(BF16)
+    return w, torch.randn(out_features, generator=g).to(BF16)
+
+
+def close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within a bf16 rounding of the output (oneDNN may sum in another order)."""
+    return bool(((ours.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-2).all())
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_equals_plain_linear(rows: int) -> None:
+    w, b = weights(200, 96, rows)
+    assert packed_linear.pack(w)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(9)).to(BF16)
+    with torch.inference_mode():
+        assert close(packed_linear.linear(x, w, b), F.linear(x, w, b))
+        assert close(packed_linear.linear(x, w, None), F.linear(x, w))
+        x3 = x.view(1, rows, 96)  # leading dims kept
+        assert packed_linear.linear(x3, w, b).shape == (1, rows, 200)
+
+
+@needs_packing
+def test_an_in_place_write_to_the_weight_is_followed() -> None:
+    w, _ = weights(64, 32, 1)
+    assert packed_linear.pack(w)
+    x = torch.randn(4, 32).to(BF16)
+    with torch.inference_mode():
+        before = packed_linear.linear(x, w, None)
+        w.mul_(-2)
+        after = packed_linear.linear(x, w, None)
+    assert close(after, F.linear(x, w))
+    assert not close(after, before)
+
+
+def test_a_weight_not_packed_runs_plain() -> None:
+    for w in (weights(16, 8, 2)[0], torch.randn(16, 8)):  # bf16 never packed, fp32
+        x = torch.randn(3, 8, dtype=w.dtype)
+        with torch.inference_mode():
+            assert torch.equal(packed_linear.linear(x, w, None), F.linear(x, w))
+    assert not packed_linear.pack(torch.randn(16, 8))  # fp32: no packing offered
+
+
+_COMPILED = """
+import torch, torch.nn.functional as F
+from kernels import packed_linear
+g = torch.Generator().manual_seed(3)
+w = (torch.randn(128, 64, generator=g) * 0.05).bfloat16()
+b = torch.randn(128, generator=g).bfloat16()
+assert packed_linear.pack(w)
+fn = lambda x, w, b: F.silu(packed_linear.linear(x, w, b))
+compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+with torch.inference_mode():
+    for rows in (5, 33):
+        x = torch.randn(rows, 64).bfloat16()
+        torch._dynamo.mark_dynamic(x, 0)
+        ours, ref = compiled(x, w, b).float(), F.silu(F.linear(x, w, b)).float()
+        assert ((ours - ref).abs() <= 2**-7 * ref.abs() + 1e-2).all(), rows
+print("COMPILED OK")
+"""
+
+
+@needs_packing
+def test_compiled_with_a_dynamic_row_count(tmp_path) -> None:
+    """In a process of its own: a compile here would run inductor's ISA probes in the test
+    process, which test_compiled_forward's saved graphs record from their own first compile."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = in_checkout([sys.executable, "-c", _COMPILED], timeout=300, env=env)
+    assert "COMPILED OK" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
+@needs_packing
+def test_linear_and_a_loaded_model_pack_their_weights(tmp_path) -> None:
+    layer = Linear(32, 48).to(BF16)
+    assert not layer.packed
+    x = torch.randn(2, 32).to(BF16)
+    with torch.inference_mode():
+        ref = layer(x)
+    layer.pack()
+    assert layer.packed
+    with torch.inference_mode():
+        assert close(layer(x), ref)
+    path = make_dense_checkpoint(tmp_path / "ckpt", "llama")
+    model = load_model(path, torch.device("cpu"), BF16).model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed for m in linears)
+    assert model.head_packed
+    fp32 = load_model(path, torch.device("cpu"), torch.float32).model
+    assert not any(m.packed for m in fp32.modules() if isinstance(m, Linear))
