@@ -191,3 +191,33 @@ def test_a_thin_step_waits_for_the_one_in_flight(drafting: str, thin: bool) -> N
     s.add(req("e", 3))  # a request to admit: a step is worth running
     step = s.schedule(overlapped=True)
     assert sorted(x.request.request_id for x in step.seqs) == ["d", "e"]
+
+
+class _Counting(_Lookup):
+    """`_Lookup` that counts its proposals by request."""
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__(names)
+        self.asked: dict[str, list[int]] = {}
+
+    def propose(self, req: Request, k: int) -> Draft:
+        self.asked.setdefault(req.request_id, []).append(len(req.output_ids))
+        return super().propose(req, k)
+
+
+def test_a_request_whose_draft_is_declined_proposes_again_at_probes() -> None:
+    """Without overlap: once the policy declines a request's draft, the drafter is asked for
+    it again only 8, 16, 32 and 64 decodes after the decline, then every 64 decodes. A
+    request without a draft ("b") is asked at every decode: an empty proposal is no decline."""
+    s = make(num_blocks=128, budget=32)
+    drafter = _Counting({"a"})
+    s.speculator = Speculator(drafter, _expensive_drafts(), 2)
+    for name in "ab":
+        s.add(req(name, 3, max_tokens=200))
+    for _ in range(180):
+        finish_step(s, s.schedule())
+    first = drafter.asked["a"][0]  # its first decode's draft, declined
+    assert [n - first for n in drafter.asked["a"]] == [0, 8, 16, 32, 64, 128]
+    assert len(drafter.asked["b"]) == 179  # every decode after its prefill
+    declined = {r.request_id: r.declined_decodes for r in s.running}
+    assert declined == {"a": 179, "b": 0}  # decodes since its first, declined

@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 # with overlap, a request whose drafts went unverified this many decodes in a row is held back
 # once (its last token known on the host) to be drafted again; then after twice as many, ...
 PROBE_EVERY = 8
+PROBE_MAX = 64  # the longest a request goes between probes: load falls, drafts may pay again
 
 
 @dataclass
@@ -158,8 +159,19 @@ class Scheduler:
 
     def _draft(self, spec: Speculator, scheduled: list[ScheduledSeq], budget: int) -> None:
         """Extend the step's decodes that may speculate by the drafts the policy chooses,
-        within `budget` tokens and the KV memory free now (drafts preempt nobody)."""
-        seqs = [s for s in scheduled if self._may_speculate(s)]
+        within `budget` tokens and the KV memory free now (drafts preempt nobody). A request
+        whose draft the policy declined proposes again only at the decodes `_takes_drafts`
+        names (counted from the decline): proposing costs the loop's thread every step, and
+        a policy that declines at this load (chat at 64 sequences) declines again."""
+        seqs = []
+        for s in scheduled:
+            if not self._may_speculate(s):
+                continue
+            req = s.request
+            if req.declined_decodes and not _takes_drafts(req.declined_decodes):
+                req.declined_decodes += 1
+                continue
+            seqs.append(s)
         if not seqs:
             return
         # a decode scheduled now has counted its sample: what is left after it
@@ -173,8 +185,10 @@ class Scheduler:
             req = seq.request
             if n <= 0 or not self.kv.grow(req.request_id, req.num_computed + n):
                 req.decodes_without_drafts += 1
+                if req.declined_decodes or (plan.proposal.tokens and plan.length == 0):
+                    req.declined_decodes += 1
                 continue
-            req.decodes_without_drafts = 0
+            req.decodes_without_drafts = req.declined_decodes = 0
             seq.draft, seq.proposal = plan.tokens[:n], plan.proposal
             seq.num_tokens += n
             req.num_computed += n
@@ -413,6 +427,7 @@ def _waits_on_its_step(req: Request) -> bool:
 def _takes_drafts(decodes_without_drafts: int) -> bool:
     """Whether a request that many decodes without verified drafts takes drafts at its next
     decode: while they are verified, then after PROBE_EVERY decodes without, twice as many,
-    and so on (the decodes `_held_for_drafts` holds back for them under overlap)."""
+    and so on up to every PROBE_MAX decodes (the decodes `_held_for_drafts` holds back for
+    them under overlap, and those at which `_draft` asks again after a decline)."""
     n = decodes_without_drafts
-    return n == 0 or (n >= PROBE_EVERY and n & (n - 1) == 0)
+    return n == 0 or (n >= PROBE_EVERY and (n & (n - 1) == 0 or n % PROBE_MAX == 0))
