@@ -12,7 +12,7 @@ import torch.nn.functional as F
 # DEEPINFER_CPU_KERNELS=0 keeps the plain F.linear (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
 # the rows oneDNN is told to expect when it packs: any count runs on the packed weight after;
-# SmolLM2-135M's layers at 64 rows ran 1.29x plain packed for 64 and 1.41x packed for 16
+# SmolLM2-135M's layers at 64 rows ran 1.41x plain with weights packed for 16, 1.22x for 64
 PACK_ROWS = 16
 
 _Key = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -22,9 +22,9 @@ _packed: dict[_Key, tuple[int, torch.Tensor]] = {}
 
 def supported(weight: torch.Tensor) -> bool:
     """A 2-d bf16 weight on a CPU whose oneDNN has bf16 instructions (AVX512-BF16 or AMX) to
-    run it: there a plain `F.linear` repacks the weight on every call (SmolLM2-135M's 30
-    layers, bf16, 2 Xeon cores with AMX: 26.1 ms plain against 20.6 packed at 16 rows, 35.5
-    against 27.5 at 64; fp32 gains nothing, and packing is not offered for it)."""
+    run it: there the packed layout beats a plain `F.linear` (SmolLM2-135M's 30 layers, 2
+    Xeon cores with AMX: 26.1 ms plain against 20.6 packed at 16 rows, 35.5 against 27.5 at
+    64; in fp32 it gains nothing, and packing is not offered for it)."""
     return (
         ENABLED
         and weight.device.type == "cpu"
@@ -37,9 +37,10 @@ def supported(weight: torch.Tensor) -> bool:
 
 def pack(weight: torch.Tensor) -> bool:
     """Pack `weight` [out, in] for `linear` where `supported`; whether it was. The packed copy
-    lives while the weight does, beside it (a model's bf16 weights are then twice in memory:
-    a stand-in without data, as vLLM's CPU path leaves, made inductor copy it on every call),
-    and is made again if the weight is written in place."""
+    lives while the weight does, beside it, so a model's bf16 weights are twice in memory (a
+    data-less stand-in in the weight's place, as vLLM's CPU path leaves, ran the compiled
+    decode slower: 287 against 393 tok/s at 16 sequences); it is made again if the weight is
+    written in place."""
     if not supported(weight):
         return False
     key = _key(weight)
