@@ -338,14 +338,7 @@ def profile_steps(engine: Any) -> StepProfile:
 def replay_ms(engine: Any, prepared: Any, reps: int = 7) -> float:
     """Median ms of `runner.execute` on one prepared step, run alone on this thread (no event
     loop work beside it). Call after the engine has stopped."""
-    for _ in range(2):
-        engine.runner.execute(prepared)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        engine.runner.execute(prepared)
-        times.append(time.perf_counter() - t)
-    return 1e3 * median(times)
+    return median_us({"step": lambda: engine.runner.execute(prepared)}, reps)["step"] / 1e3
 
 
 # ---- stats and timing ------------------------------------------------------------------------
@@ -364,6 +357,26 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+STAT = {"median": statistics.median, "min": min}
+
+
+def median_us(
+    fns: dict[str, Callable[[], object]], reps: int, stat: str = "median"
+) -> dict[str, float]:
+    """Median (or best) wall time of each function, called in turn `reps` times after two
+    warm-ups. On a shared machine the best of N shows the kernel's cost without the slices
+    the scheduler gave to other processes (a 2-thread op waits for its slower thread)."""
+    for f in fns.values():
+        f(), f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: 1e6 * STAT[stat](v) for k, v in times.items()}
 
 
 @contextmanager

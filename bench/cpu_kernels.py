@@ -17,36 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import Request, machine, make_workload, quiet_logs, run_ours
+from bench.common import STAT, Request, machine, make_workload, median_us, quiet_logs, run_ours
 from kernels import paged_attention_cpu
 from kernels.paged_attention_cpu import context_mask, paged_decode_attention, paged_decode_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-STAT = {"median": statistics.median, "min": min}
-
-
-def median_us(
-    fns: dict[str, Callable[[], object]], reps: int, stat: str = "median"
-) -> dict[str, float]:
-    """Median (or best) wall time of each function, called in turn `reps` times after two
-    warm-ups. On a shared machine the best of N shows the kernel's cost without the slices
-    the scheduler gave to other processes (a 2-thread op waits for its slower thread)."""
-    for f in fns.values():
-        f(), f()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t)
-    return {k: 1e6 * STAT[stat](v) for k, v in times.items()}
 
 
 def attention(args: argparse.Namespace) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from bench.common import (
     make_checkpoint,
     make_workload,
     median,
+    median_us,
     profile_steps,
     quiet_logs,
     replay_ms,
@@ -44,22 +44,12 @@ def matmul_gflops(m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.
     (`kernels.packed_linear`), so that the peak is the best this machine does."""
     a, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     out = torch.empty(m, n, dtype=dtype)
-    runs = [lambda: torch.mm(a, w.t(), out=out)]
+    runs = {"plain": lambda: torch.mm(a, w.t(), out=out)}
     if packed_linear.pack(w):
-        runs.append(lambda: packed_linear.linear(a, w, None))
-    return max(2 * m * k * n / _median_seconds(fn, reps) / 1e9 for fn in runs)
-
-
-def _median_seconds(fn: Any, reps: int) -> float:
-    with torch.inference_mode():
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return median(times)
+        runs["packed"] = lambda: packed_linear.linear(a, w, None)
+    with torch.inference_mode():  # each timed alone: alternating calls evict each other's weight
+        best_us = min(median_us({name: fn}, reps)[name] for name, fn in runs.items())
+    return 2 * m * k * n / best_us / 1e3
 
 
 def decode_shapes(spec: ModelSpec, batch: int) -> list[tuple[str, int, int, int, int]]:
