@@ -168,3 +168,25 @@ def test_the_fused_form_of_chunk_attention_equals_the_plain_one(
     plain = chunk_attention(q, k, v, mask, 0.25, fused=False)
     fused = chunk_attention(q, k, v, mask, 0.25, fused=True)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,ctx", [(32, 32), (16, 48)])
+def test_cpu_prefill_attention_runs_the_flash_kernel_with_gqa(n: int, ctx: int) -> None:
+    """A GQA chunk in bf16 reaches CPU's flash kernel, not the math one, with the KV heads as
+    they are (no repeated copy), and gives what the plain call gives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from daemon.models.attention import chunk_attention
+
+    g = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(9, n, 64, generator=g).bfloat16()
+    k, v = torch.randn(2, 3, ctx, 64, generator=g).bfloat16().unbind(0)
+    q_pos = torch.arange(ctx - n, ctx)
+    mask = None if n == ctx else torch.arange(ctx)[None, :] <= q_pos[:, None]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fused = chunk_attention(q, k, v, mask, 0.125)
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names
+    assert "aten::repeat_interleave" not in names
+    plain = chunk_attention(q, k, v, mask, 0.125, fused=False)
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
