@@ -297,28 +297,32 @@ async def test_stopping_the_engine_keeps_the_loop_running_past_stuck_io_threads(
         hung.set()
 
 
-def test_writes_run_on_their_own_threads_of_lower_priority(tmp_path: Path) -> None:
+def test_writes_run_on_their_own_threads_in_the_background(tmp_path: Path) -> None:
     """A prefill's burst of block writes must not take the cores from the forward's threads:
-    they go to a quarter of the I/O threads, niced by WRITER_NICE (reads keep them all)."""
+    they go to a quarter of the I/O threads, under SCHED_IDLE on Linux (reads keep them all,
+    at the process's own priority)."""
     import sys
     import threading
-
-    from daemon.kv.block_store import WRITER_NICE
 
     store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, io_threads=8)
     try:
         assert len(store.writer._threads) == 2 and len(store.pool._threads) == 8
 
-        def niceness() -> tuple[str, int]:
+        def policy() -> tuple[str, int, int]:
             tid = threading.get_native_id()
-            return threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)
+            return (
+                threading.current_thread().name,
+                os.sched_getscheduler(0),
+                os.getpriority(os.PRIO_PROCESS, tid),
+            )
 
         base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        name, nice = store.writer.submit(niceness).result(5)
+        name, sched, _ = store.writer.submit(policy).result(5)
         assert name.startswith("kvstore-write")
         if sys.platform.startswith("linux"):
-            assert nice == min(base + WRITER_NICE, 19)
-        assert store.pool.submit(niceness).result(5)[1] == base
+            assert sched == os.SCHED_IDLE
+        _, sched, nice = store.pool.submit(policy).result(5)
+        assert sched == os.sched_getscheduler(0) and nice == base
         store.submit_write(key(3), payload(3), "chat")
         for future in list(store._pending):
             assert future.result(5) is True

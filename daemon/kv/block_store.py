@@ -38,9 +38,6 @@ TMP_MARK = ".tmp."
 # one store, whatever path each mounts it at
 IDENTITY_FILE = "store-id"
 LOOK_S = 0.05  # the least time `published` gives its look at the files
-# Writes wait on nobody: their threads run at this much lower priority, so that a burst of
-# them (a prefill's blocks) does not take cores (and the GIL) from the forward's threads.
-WRITER_NICE = 10
 
 
 @dataclass
@@ -91,9 +88,11 @@ class BlockStore:
         self.touch_interval_s, self.retry_writes_after_s = touch_interval_s, retry_writes_after_s
         self.read_timeout_s, self.flush_timeout_s = read_timeout_s, flush_timeout_s
         self.pool = IoPool(io_threads, "kvstore")  # reads (a request waits), touches, sweeps
-        # writes: a quarter of the threads (None), niced
+        # writes: a quarter of the threads (None), in the background, so that a burst of them
+        # (a prefill's blocks) does not take cores from the forward's threads; no request waits
+        # on one (a store-path handoff waits a while, then sends the blocks itself)
         writers = max(1, io_threads // 4) if write_threads is None else write_threads
-        self.writer = IoPool(writers, "kvstore-write", nice=WRITER_NICE)
+        self.writer = IoPool(writers, "kvstore-write", background=True)
         self.counters = StoreCounters()
         self.usage: StoreUsage | None = None  # unknown until the first sweep
         self._pending: set[Future[bool]] = set()
