@@ -331,12 +331,34 @@ def test_writes_run_on_their_own_threads_in_the_background(tmp_path: Path) -> No
         store.close()
 
 
+async def test_a_write_waited_on_leaves_the_background_writers(tmp_path: Path) -> None:
+    """A store-path handoff waits on its blocks' writes: one still queued behind busy (or, on
+    a node whose forward takes every core, starved) background writers moves to the I/O pool
+    and is published within the wait."""
+    import threading
+
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, io_threads=8)
+    release = threading.Event()
+    try:
+        busy = [store.writer.submit(release.wait, 30) for _ in store.writer._threads]
+        store.submit_write(key(5), payload(5), "chat")
+        assert await store.published([key(5)], 5.0) == 1
+        assert store.read(key(5)) is not None
+        assert not any(f.done() for f in busy)  # the background writers never ran it
+        assert not store._pending and not store._queued
+    finally:
+        release.set()
+        store.close()
+
+
 async def test_a_block_counts_as_published_only_once_its_write_is(tmp_path: Path) -> None:
     """What a prefill node may name to a decode node: the leading blocks whose files are
     published, their writes waited for within the bound and no longer."""
-    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, write_threads=1)
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, io_threads=1, write_threads=1)
     gate = threading.Event()
-    store.writer.submit(gate.wait, 10)  # the one writer thread busy: writes queue behind it
+    # both threads busy: the writes queue behind them, moved to the I/O pool or not
+    store.writer.submit(gate.wait, 10)
+    store.pool.submit(gate.wait, 10)
     for i in range(3):
         store.submit_write(key(i), payload(i), "chat")
     keys = [key(i) for i in range(3)]

@@ -97,6 +97,7 @@ class BlockStore:
         self.usage: StoreUsage | None = None  # unknown until the first sweep
         self._pending: set[Future[bool]] = set()
         self._pending_by_key: dict[bytes, Future[bool]] = {}  # each key's last write
+        self._queued: dict[Future[bool], tuple[bytes, torch.Tensor, str]] = {}  # their jobs
         self._reading: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._writes_paused_until = 0.0
@@ -293,26 +294,49 @@ class BlockStore:
         if len(self._pending) >= self.max_pending_writes:
             self.counters.dropped_writes += 1
             return
-        future = self.writer.submit(self.write, key, payload, traffic_class)
+        self._track(
+            self.writer.submit(self.write, key, payload, traffic_class), key, payload, traffic_class
+        )
+
+    def _track(self, future: Future[bool], key: bytes, payload: torch.Tensor, cls: str) -> None:
         with self._lock:
             self._pending.add(future)
             self._pending_by_key[key] = future
+            self._queued[future] = (key, payload, cls)
         future.add_done_callback(lambda f: self._written(key, f))
 
     def _written(self, key: bytes, future: Future[bool]) -> None:
         with self._lock:
             self._pending.discard(future)
+            self._queued.pop(future, None)
             if self._pending_by_key.get(key) is future:
                 del self._pending_by_key[key]
 
+    def _hurry(self, futures: list[Future[bool]]) -> list[Future[bool]]:
+        """Writes that someone now waits on: those not started yet move from the background
+        writers to the I/O pool, at the process's own priority (on a node whose forward keeps
+        every core busy, a background thread may not run for a long while)."""
+        hurried = []
+        for future in futures:
+            with self._lock:
+                job = self._queued.get(future)
+            # cancel() runs the done callbacks here, which take the lock: not held now
+            if job is not None and not self.pool.closed and future.cancel():
+                key, payload, cls = job
+                future = self.pool.submit(self.write, key, payload, cls)
+                self._track(future, key, payload, cls)
+            hurried.append(future)
+        return hurried
+
     async def published(self, keys: list[bytes], timeout_s: float) -> int:
         """How many leading `keys` are published in the store: the writes submitted for them
-        waited for, then their files looked at; what is not known within `timeout_s` (a
-        write still queued, a hung file system) is not published."""
+        waited for (moved out of the background first, `_hurry`), then their files looked at;
+        what is not known within `timeout_s` (a hung file system) is not published."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         with self._lock:
-            writes = [asyncio.wrap_future(f) for k in keys if (f := self._pending_by_key.get(k))]
+            queued = [f for k in keys if (f := self._pending_by_key.get(k))]
+        writes = [asyncio.wrap_future(f) for f in self._hurry(queued)]
         if writes:
             await asyncio.wait(writes, timeout=timeout_s)
         look = loop.run_in_executor(self.pool, self.count_published, keys)

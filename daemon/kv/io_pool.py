@@ -48,6 +48,10 @@ class IoPool(Executor):
         for thread in self._threads:
             thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         if self._closed:
             raise RuntimeError("the I/O pool is shut down")
