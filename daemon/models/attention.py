@@ -19,7 +19,7 @@ from torch.nn.attention.bias import causal_lower_right
 from daemon.kv.spec import FullAttentionSpec
 from daemon.models.base import KVExport, RequestState, SeqSlice
 from daemon.models.kv_transfer import export_blocks, import_blocks
-from kernels import paged_attention_cpu
+from kernels import paged_attention_cpu, prefill_attention_cpu
 
 
 @dataclass
@@ -214,15 +214,19 @@ def paged_attention(
     if decoded is not None:
         out[:b] = decoded
     for p in batch.prefills:
-        qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, n, D]
+        rows = slice(p.q_start, p.q_start + p.q_len)
         if p.kv_index is None:
-            ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-            vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
+            ks, vs = k[rows], v[rows]
         else:
-            ks = k_cache.index_select(0, p.kv_index).transpose(0, 1)
-            vs = v_cache.index_select(0, p.kv_index).transpose(0, 1)
-        o = chunk_attention(qs, ks, vs, p.mask, scale)
-        out[p.q_start : p.q_start + p.q_len] = o.transpose(0, 1)
+            ks = k_cache.index_select(0, p.kv_index)
+            vs = v_cache.index_select(0, p.kv_index)
+        if prefill_attention_cpu.supports(q, ks, vs, out):
+            prefill_attention_cpu.prefill_attention(q[rows], ks, vs, scale, out[rows])
+            continue
+        o = chunk_attention(
+            q[rows].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), p.mask, scale
+        )
+        out[rows] = o.transpose(0, 1)
     return out
 
 

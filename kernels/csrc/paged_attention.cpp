@@ -16,6 +16,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define DEEPINFER_AVX512 1
+#include "vec_exp.h"
 #endif
 
 namespace {
@@ -82,23 +83,6 @@ void attend_generic(const Problem& pb, const T* q, const T* kc, const T* vc, int
 }
 
 #ifdef DEEPINFER_AVX512
-
-// exp for x <= 0 (softmax arguments): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
-// 2^f by its degree-6 Taylor polynomial (relative error ~1e-7).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Lane j of the result = the sum of v[j]'s 16 lanes (a transpose-and-add tree).
 inline __m512 hsum16(const __m512* v) {
@@ -221,7 +205,7 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
         s = _mm512_mask_blend_ps(valid, neg_inf, s);
         const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
         const __m512 p =
-            _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            _mm512_maskz_mov_ps(valid, deepinfer_vec::exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
         _mm512_store_ps(probs[g], p);
         for (int i = 0; i < V; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + g * D + 16 * i);
         if (m_new != m[g]) {
