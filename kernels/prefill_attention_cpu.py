@@ -1,4 +1,4 @@
-"""Causal prefill attention on CPU in bf16 over oneDNN's batch-reduce GEMM (C++,
+"""Causal prefill attention on CPU in bf16 or fp32 over oneDNN's batch-reduce GEMM (C++,
 csrc/prefill_attention.cpp) as the torch op `deepinfer::prefill_attention`, beside its torch
 reference (SDPA's flash kernel)."""
 
@@ -36,12 +36,14 @@ def _cpu_has_bf16() -> bool:
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the op serves these tensors: CPU with AVX512-BF16, bf16, head_dim a multiple of
-    32, whole KV-head groups, heads as dense rows (each tensor may have its own token stride)."""
+    """Whether the op serves these tensors: CPU with AVX512-BF16 (the build needs it), bf16 or
+    fp32, head_dim a multiple of 32, whole KV-head groups, heads as dense rows (each tensor may
+    have its own token stride)."""
     return (
         paged_attention_cpu.ENABLED
         and q.device.type == "cpu"
-        and all(t.dtype == torch.bfloat16 for t in (q, k, v, out))
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and all(t.dtype == q.dtype for t in (k, v, out))
         and q.shape[-1] % 32 == 0
         and q.shape[1] % k.shape[1] == 0
         and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v, out))
@@ -65,7 +67,7 @@ def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
 ) -> None:
     """Writes into `out` [n, Hq, D] the attention of q [n, Hq, D] over k, v [ctx, Hkv, D]
-    (bf16), as `prefill_reference` computes it. Check `supports` first."""
+    (bf16 or fp32), as `prefill_reference` computes it. Check `supports` first."""
     if not torch.compiler.is_compiling():
         cpu_build.load()
     torch.ops.deepinfer.prefill_attention(q, k, v, scale, out)

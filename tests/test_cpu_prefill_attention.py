@@ -1,5 +1,5 @@
-"""The C++ bf16 prefill attention (kernels/prefill_attention_cpu.py) against its fp32 torch
-reference: fresh prompts and chunks after cached context, GQA / MHA / MQA, contexts off the
+"""The C++ prefill attention (kernels/prefill_attention_cpu.py) in bf16 and fp32 against the
+fp32 torch reference: fresh prompts and chunks after cached context, GQA / MHA / MQA, contexts off the
 key-block size, token-strided views; and `paged_attention` running it for prefill chunks."""
 
 from __future__ import annotations
@@ -25,20 +25,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def case(n: int, ctx: int, hq: int, hkv: int, dim: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, hq, dim, generator=g).to(BF16)
-    k, v = torch.randn(2, ctx, hkv, dim, generator=g).to(BF16).unbind(0)
+def case(n: int, ctx: int, hq: int, hkv: int, dim: int, dtype: torch.dtype = BF16):
+    g = torch.Generator().manual_seed(n + ctx)
+    q = torch.randn(n, hq, dim, generator=g).to(dtype)
+    k, v = torch.randn(2, ctx, hkv, dim, generator=g).to(dtype).unbind(0)
     return q, k, v
 
 
 def error_vs_fp32(got: torch.Tensor, q, k, v, scale: float) -> tuple[float, float]:
-    """Our max error against the fp32 reference, and SDPA's own bf16 error against it."""
+    """Our max error against the fp32 reference, and SDPA's own error (in q's dtype) against it."""
     want = prefill_reference(q.float(), k.float(), v.float(), scale)
     sdpa = prefill_reference(q, k, v, scale)
     return (got.float() - want).abs().max().item(), (sdpa.float() - want).abs().max().item()
 
 
+# bf16: as close as SDPA's own bf16 (its output rounding, 2^-8 relative); fp32: summation order
+FLOOR = {BF16: 1e-2, torch.float32: 2e-6}
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize(
     "n,ctx,hq,hkv,dim",
     [
@@ -51,14 +56,14 @@ def error_vs_fp32(got: torch.Tensor, q, k, v, scale: float) -> tuple[float, floa
     ],
 )
 def test_op_matches_the_fp32_reference_as_closely_as_sdpa_does(
-    n: int, ctx: int, hq: int, hkv: int, dim: int
+    n: int, ctx: int, hq: int, hkv: int, dim: int, dtype: torch.dtype
 ) -> None:
-    q, k, v = case(n, ctx, hq, hkv, dim)
+    q, k, v = case(n, ctx, hq, hkv, dim, dtype)
     out = torch.full_like(q, float("nan"))
     scale = dim**-0.5
     prefill_attention(q, k, v, scale, out)
     ours, sdpa = error_vs_fp32(out, q, k, v, scale)
-    assert ours <= max(2 * sdpa, 1e-2), (ours, sdpa)
+    assert ours <= max(2 * sdpa, FLOOR[dtype]), (ours, sdpa)
 
 
 def test_token_strided_views_are_read_and_written_in_place() -> None:
@@ -77,8 +82,10 @@ def test_token_strided_views_are_read_and_written_in_place() -> None:
 
 def test_bad_inputs_are_refused() -> None:
     q, k, v = case(8, 8, 9, 3, 64)
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="share a dtype"):
         prefill_attention(q.float(), k, v, 0.125, torch.empty(8, 9, 64))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        prefill_attention(q.half(), k.half(), v.half(), 0.125, torch.empty_like(q.half()))
     with pytest.raises(RuntimeError, match="n <= ctx"):
         prefill_attention(q, k[:4], v[:4], 0.125, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="multiple of KV heads"):

@@ -1,6 +1,6 @@
-// Causal prefill attention on CPU for bf16: flash-style blocks whose two products (Q K^T and
-// P V) run as oneDNN's bf16 -> fp32 batch-reduce GEMM (torch's cpublas::brgemm: AMX where the
-// CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The query rows of
+// Causal prefill attention on CPU, bf16 or fp32: flash-style blocks whose two products (Q K^T
+// and P V) run as oneDNN's batch-reduce GEMM into fp32 (torch's cpublas::brgemm; for bf16 AMX
+// where the CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The query rows of
 // a KV head's whole group share each product. Parallel over (KV head, query block).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
@@ -29,8 +30,8 @@ constexpr int64_t kRows = 128;      // query rows per product, over the whole he
 
 using bf16 = at::BFloat16;
 
-// K's block [KB, D] (rows `stride` apart) as the B operand of Q K^T: K^T [D, KB] in the VNNI
-// layout ([D/2][KB][2]); rows past `n` are zero.
+// K's block [KB, D] (rows `stride` apart) as the B operand of Q K^T, K^T [D, KB]: for bf16 in
+// the VNNI layout ([D/2][KB][2]) the products take. Rows past `n` are zero.
 void pack_keys(const bf16* k, int64_t stride, int64_t n, int64_t D, bf16* out) {
   auto* o = reinterpret_cast<uint32_t*>(out);  // one (d, d + 1) pair of a key per word
   for (int64_t t = 0; t < kKeyBlock; ++t) {
@@ -38,8 +39,13 @@ void pack_keys(const bf16* k, int64_t stride, int64_t n, int64_t D, bf16* out) {
     for (int64_t p = 0; p < D / 2; ++p) o[p * kKeyBlock + t] = t < n ? row[p] : 0u;
   }
 }
+void pack_keys(const float* k, int64_t stride, int64_t n, int64_t D, float* out) {
+  for (int64_t t = 0; t < kKeyBlock; ++t)
+    for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + t] = t < n ? k[t * stride + d] : 0.f;
+}
 
-// V's block [KB, D] as the B operand of P V, VNNI ([KB/2][D][2]); rows past `n` are zero.
+// V's block [KB, D] as the B operand of P V: for bf16 VNNI ([KB/2][D][2]). Rows past `n` are
+// zero.
 void pack_values(const bf16* v, int64_t stride, int64_t n, int64_t D, bf16* out) {
   const bf16 zero(0.f);
   for (int64_t t = 0; t < kKeyBlock; t += 2) {
@@ -52,6 +58,20 @@ void pack_values(const bf16* v, int64_t stride, int64_t n, int64_t D, bf16* out)
     }
   }
 }
+void pack_values(const float* v, int64_t stride, int64_t n, int64_t D, float* out) {
+  for (int64_t t = 0; t < kKeyBlock; ++t) {
+    if (t < n)
+      std::memcpy(out + t * D, v + t * stride, D * sizeof(float));
+    else
+      std::memset(out + t * D, 0, D * sizeof(float));
+  }
+}
+
+// 16 probabilities stored as the P operand's type.
+inline void store_probs(__m512 p, bf16* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(p));
+}
+inline void store_probs(__m512 p, float* out) { _mm512_storeu_ps(out, p); }
 
 struct Shape {
   int64_t n, ctx, hkv, group, dim, q_rows;  // q_rows: query tokens per task
@@ -61,16 +81,18 @@ struct Shape {
 
 // One task: KV head h, query tokens [i0, i0 + qn). Row r of the products is (head
 // h * group + r / qn, token i0 + r % qn).
-void attend_block(const Shape& s, const bf16* q, const bf16* kp, const bf16* vp, bf16* o,
-                  int64_t h, int64_t i0, int64_t qn) {
+template <typename T>
+void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, int64_t h,
+                  int64_t i0, int64_t qn) {
+  constexpr bool vnni = std::is_same_v<T, bf16>;
   const int64_t D = s.dim, M = s.group * qn, KB = kKeyBlock;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<bf16> qa(M * D);
+  std::vector<T> qa(M * D);
   std::vector<float> scores(M * KB), acc(M * D, 0.f), m(M, kNegInf), l(M, 0.f);
-  std::vector<bf16> probs(M * KB);
+  std::vector<T> probs(M * KB);
   for (int64_t r = 0; r < M; ++r) {
     const int64_t head = h * s.group + r / qn, tok = i0 + r % qn;
-    std::memcpy(&qa[r * D], q + tok * s.q_stride + head * D, D * sizeof(bf16));
+    std::memcpy(&qa[r * D], q + tok * s.q_stride + head * D, D * sizeof(T));
   }
   const int64_t first_pos = s.ctx - s.n + i0;  // the context position of token i0
   const int64_t blocks = (first_pos + qn - 1) / KB + 1;
@@ -78,13 +100,13 @@ void attend_block(const Shape& s, const bf16* q, const bf16* kp, const bf16* vp,
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t j = 0; j < blocks; ++j) {
     at::native::cpublas::brgemm(M, KB, D, D, KB, KB, false, qa.data(),
-                                kp + h * per_head + j * KB * D, scores.data(), true);
+                                kp + h * per_head + j * KB * D, scores.data(), vnni);
     for (int64_t r = 0; r < M; ++r) {
       const int64_t valid = std::min(KB, first_pos + r % qn + 1 - j * KB);
       float* sr = &scores[r * KB];
-      bf16* pr = &probs[r * KB];
+      T* pr = &probs[r * KB];
       if (valid <= 0) {
-        std::memset(pr, 0, KB * sizeof(bf16));
+        std::memset(pr, 0, KB * sizeof(T));
         continue;
       }
       __m512 mx = _mm512_set1_ps(kNegInf);
@@ -102,7 +124,7 @@ void attend_block(const Shape& s, const bf16* q, const bf16* kp, const bf16* vp,
         const __m512 p = _mm512_maskz_mov_ps(
             live, deepinfer_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mv)));
         sum = _mm512_add_ps(sum, p);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t), (__m256i)_mm512_cvtneps_pbh(p));
+        store_probs(p, pr + t);
       }
       const float corr = std::exp(m[r] - m_new);  // 0 at the first block (m = -inf)
       l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
@@ -113,50 +135,25 @@ void attend_block(const Shape& s, const bf16* q, const bf16* kp, const bf16* vp,
       }
     }
     at::native::cpublas::brgemm(M, D, KB, KB, D, D, true, probs.data(),
-                                vp + h * per_head + j * KB * D, acc.data(), true);
+                                vp + h * per_head + j * KB * D, acc.data(), vnni);
   }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t head = h * s.group + r / qn, tok = i0 + r % qn;
     const float inv = 1.f / l[r];
-    bf16* out = o + tok * s.o_stride + head * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = bf16(acc[r * D + d] * inv);
+    T* out = o + tok * s.o_stride + head * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = T(acc[r * D + d] * inv);
   }
 }
 
-#endif  // DEEPINFER_AVX512
-
-}  // namespace
-
-// q [n, Hq, D], k and v [ctx, Hkv, D], out [n, Hq, D] (bf16, the last dim contiguous, any
-// token stride): query token i sits at context position ctx - n + i and attends keys 0..that
-// (causal, lower-right). Writes out.
-void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, at::Tensor out) {
-#ifdef DEEPINFER_AVX512
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "bad ranks");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "CPU tensors only");
-  for (const auto* t : {&q, &k, &v, &out}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "bfloat16 only");
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads must be dense rows");
-  }
-  const int64_t n = q.size(0), hq = q.size(1), D = q.size(2);
-  const int64_t ctx = k.size(0), hkv = k.size(1);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D, "k and v must be [ctx, Hkv, D]");
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
-  TORCH_CHECK(hq % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
-  TORCH_CHECK(n >= 1 && ctx >= n, "need 1 <= n <= ctx");
-  const int64_t group = hq / hkv;
-  const int64_t q_rows = std::max<int64_t>(1, kRows / group);
-  Shape s{n, ctx, hkv, group, D, q_rows, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-          static_cast<float>(scale)};
+template <typename T>
+void run(const Shape& s, const T* qd, const T* kd, const T* vd, T* od) {
+  constexpr bool vnni = std::is_same_v<T, bf16>;
+  const int64_t hkv = s.hkv, ctx = s.ctx, D = s.dim, n = s.n, q_rows = s.q_rows;
   const int64_t key_blocks = (ctx + kKeyBlock - 1) / kKeyBlock;
   const int64_t per_head = key_blocks * kKeyBlock * D;
-  auto packed = at::empty({2, hkv * per_head}, q.options());
-  bf16* kp = packed[0].data_ptr<bf16>();
-  bf16* vp = packed[1].data_ptr<bf16>();
-  const bf16* kd = k.data_ptr<bf16>();
-  const bf16* vd = v.data_ptr<bf16>();
+  std::vector<T> packed(2 * hkv * per_head);
+  T* kp = packed.data();
+  T* vp = kp + hkv * per_head;
   at::parallel_for(0, hkv * key_blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t h = i / key_blocks, j = i % key_blocks;
@@ -167,8 +164,6 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, a
     }
   });
   const int64_t q_blocks = (n + q_rows - 1) / q_rows;
-  const bf16* qd = q.data_ptr<bf16>();
-  bf16* od = out.data_ptr<bf16>();
   // the last query blocks see the most keys: they go first, and threads take the next task
   // as they finish (a static split would give one thread every long block)
   const int64_t tasks = hkv * q_blocks;
@@ -180,8 +175,42 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, a
       const int64_t i0 = b * q_rows;
       attend_block(s, qd, kp, vp, od, h, i0, std::min(q_rows, n - i0));
     }
-    at::native::cpublas::brgemm_release(true);
+    at::native::cpublas::brgemm_release(vnni);
   }
+}
+
+#endif  // DEEPINFER_AVX512
+
+}  // namespace
+
+// q [n, Hq, D], k and v [ctx, Hkv, D], out [n, Hq, D] (one dtype, bf16 or fp32; the last dim
+// contiguous, any token stride): query token i sits at context position ctx - n + i and
+// attends keys 0..that (causal, lower-right). Writes out.
+void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, at::Tensor out) {
+#ifdef DEEPINFER_AVX512
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "bad ranks");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "bfloat16 or float32 only");
+  for (const auto* t : {&q, &k, &v, &out}) {
+    TORCH_CHECK(t->scalar_type() == dtype, "q, k, v and out must share a dtype");
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "heads must be dense rows");
+  }
+  const int64_t n = q.size(0), hq = q.size(1), D = q.size(2);
+  const int64_t ctx = k.size(0), hkv = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D, "k and v must be [ctx, Hkv, D]");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(hq % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
+  TORCH_CHECK(n >= 1 && ctx >= n, "need 1 <= n <= ctx");
+  const int64_t group = hq / hkv;
+  const Shape s{n, ctx, hkv, group, D, std::max<int64_t>(1, kRows / group), q.stride(0),
+                k.stride(0), v.stride(0), out.stride(0), static_cast<float>(scale)};
+  if (dtype == at::kBFloat16)
+    run(s, q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), out.data_ptr<bf16>());
+  else
+    run(s, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
 #else
   TORCH_CHECK(false, "prefill_attention needs AVX-512 with BF16 (not in this build)");
 #endif
