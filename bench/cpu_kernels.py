@@ -1,11 +1,15 @@
 """Our C++ CPU kernels against the torch path they replace, side by side in one process.
 
     python -m bench.cpu_kernels attention [--dtypes bf16 fp32 --batches 1 16 64 --contexts 256 512 1024]
+    python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
 64, blocks of 16 scattered over a pool), the C++ op vs gather + SDPA, alternating calls, medians.
+`prefill`: one layer's causal prefill attention of a chunk of n tokens at the end of ctx
+(`n/ctx`), the C++ op vs `chunk_attention` (SDPA's flash kernel, as the engine called it
+before), GFLOP/s.
 `sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating.
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
@@ -65,6 +69,48 @@ def attention(args: argparse.Namespace) -> None:
                     f"{t['ref']:15.1f} {t['ref'] / t['op']:8.2f}x",
                     flush=True,
                 )
+
+
+def prefill(args: argparse.Namespace) -> None:
+    from daemon.models.attention import chunk_attention
+    from kernels.prefill_attention_cpu import prefill_attention, supports
+
+    hq, hkv, dim = 9, 3, 64
+    print(
+        f"prefill attention, one layer, {hq}/{hkv} heads, head_dim {dim}, "
+        f"{args.stat} of {args.reps}, {machine()}"
+    )
+    print("dtype  n/ctx        op ms  GFLOP/s   SDPA ms  GFLOP/s  speed-up")
+    for name in args.dtypes:
+        dtype = DTYPES[name]
+        for chunk in args.chunks:
+            n, ctx = (int(x) for x in chunk.split("/"))
+            g = torch.Generator().manual_seed(n + ctx)
+            q = torch.randn(n, hq, dim, generator=g).to(dtype)
+            k, v = torch.randn(2, ctx, hkv, dim, generator=g).to(dtype).unbind(0)
+            out = torch.empty_like(q)
+            if not supports(q, k, v, out):
+                raise SystemExit("the C++ prefill attention does not serve this CPU")
+            qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+            mask = (
+                None
+                if n == ctx
+                else torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+            )
+
+            def sdpa(qh=qh, kh=kh, vh=vh, mask=mask) -> object:  # the path the op replaced
+                return chunk_attention(qh, kh, vh, mask, dim**-0.5)
+
+            def op(q=q, k=k, v=v, out=out) -> object:
+                return prefill_attention(q, k, v, dim**-0.5, out)
+
+            t = median_us({"op": op, "sdpa": sdpa}, args.reps, args.stat)
+            flop = 4 * hq * dim * (n * (ctx - n) + n * (n + 1) / 2)
+            print(
+                f"{name:5s} {chunk:>10s} {t['op'] / 1e3:8.3f} {flop / t['op'] / 1e3:8.0f}"
+                f" {t['sdpa'] / 1e3:9.3f} {flop / t['sdpa'] / 1e3:8.0f} {t['sdpa'] / t['op']:8.2f}x",
+                flush=True,
+            )
 
 
 def sampling(args: argparse.Namespace) -> None:
@@ -161,6 +207,11 @@ def main() -> None:
     a.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
     a.add_argument("--reps", type=int, default=15)
     a.add_argument("--stat", choices=list(STAT), default="median")
+    pf = sub.add_parser("prefill")
+    pf.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    pf.add_argument("--chunks", nargs="+", default=["256/256", "2000/2000", "32/300", "256/1024"])
+    pf.add_argument("--reps", type=int, default=11)
+    pf.add_argument("--stat", choices=list(STAT), default="median")
     s = sub.add_parser("sampling")
     s.add_argument("--batches", nargs="+", type=int, default=[16, 64])
     s.add_argument("--vocab", type=int, default=49152)
@@ -179,6 +230,8 @@ def main() -> None:
     quiet_logs()
     if args.what == "attention":
         attention(args)
+    elif args.what == "prefill":
+        prefill(args)
     elif args.what == "sampling":
         sampling(args)
     else:

@@ -73,6 +73,11 @@ inline void store_probs(__m512 p, bf16* out) {
 }
 inline void store_probs(__m512 p, float* out) { _mm512_storeu_ps(out, p); }
 
+// The lanes of a 16-key vector whose keys a row may see, given how many remain visible.
+inline __mmask16 live_lanes(int64_t visible) {
+  return visible <= 0 ? 0 : visible >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << visible) - 1);
+}
+
 struct Shape {
   int64_t n, ctx, hkv, group, dim, q_rows;  // q_rows: query tokens per task
   int64_t q_stride, k_stride, v_stride, o_stride;  // between tokens, in elements
@@ -111,7 +116,7 @@ void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, in
       }
       __m512 mx = _mm512_set1_ps(kNegInf);
       for (int64_t t = 0; t < KB; t += 16) {
-        const __mmask16 live = t >= valid ? 0 : (valid - t >= 16 ? 0xFFFF : (1u << (valid - t)) - 1);
+        const __mmask16 live = live_lanes(valid - t);
         const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + t), scale);
         _mm512_storeu_ps(sr + t, x);
         mx = _mm512_mask_max_ps(mx, live, mx, x);
@@ -120,7 +125,7 @@ void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, in
       const __m512 mv = _mm512_set1_ps(m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t t = 0; t < KB; t += 16) {
-        const __mmask16 live = t >= valid ? 0 : (valid - t >= 16 ? 0xFFFF : (1u << (valid - t)) - 1);
+        const __mmask16 live = live_lanes(valid - t);
         const __m512 p = _mm512_maskz_mov_ps(
             live, deepinfer_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mv)));
         sum = _mm512_add_ps(sum, p);
