@@ -60,11 +60,32 @@ def test_an_in_place_write_to_the_weight_is_followed() -> None:
 
 
 def test_a_weight_not_packed_runs_plain() -> None:
-    for w in (weights(16, 8, 2)[0], torch.randn(16, 8)):  # bf16 never packed, fp32
+    for w in (weights(16, 8, 2)[0], torch.randn(16, 8)):  # never packed: bf16, fp32
         x = torch.randn(3, 8, dtype=w.dtype)
         with torch.inference_mode():
             assert torch.equal(packed_linear.linear(x, w, None), F.linear(x, w))
-    assert not packed_linear.pack(torch.randn(16, 8))  # fp32: no packing offered
+    # fp32 packing is offered on AMD CPUs only (where MKL's GEMM is off its fast path)
+    assert packed_linear.pack(torch.randn(16, 8)) == packed_linear.packs_fp32()
+    assert not packed_linear.pack(torch.randn(16, 8).half())
+
+
+def test_fp32_packing_follows_the_cpu_vendor(tmp_path) -> None:
+    amd, intel = tmp_path / "amd", tmp_path / "intel"
+    amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    assert packed_linear.packs_fp32(amd) and not packed_linear.packs_fp32(intel)
+    assert not packed_linear.packs_fp32(tmp_path / "missing")
+
+
+@pytest.mark.skipif(not packed_linear.packs_fp32(), reason="fp32 is packed on AMD CPUs only")
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_packed_fp32_equals_plain_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(200, 96, generator=g) * 0.05, torch.randn(200, generator=g)
+    assert packed_linear.pack(w)
+    x = torch.randn(rows, 96, generator=g)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed_linear.linear(x, w, b), F.linear(x, w, b))
 
 
 _COMPILED = """
@@ -112,4 +133,5 @@ def test_linear_and_a_loaded_model_pack_their_weights(tmp_path) -> None:
     assert linears and all(m.packed for m in linears)
     assert model.head_packed
     fp32 = load_model(path, torch.device("cpu"), torch.float32).model
-    assert not any(m.packed for m in fp32.modules() if isinstance(m, Linear))
+    fp32_linears = [m.packed for m in fp32.modules() if isinstance(m, Linear)]
+    assert fp32_linears == [packed_linear.packs_fp32()] * len(fp32_linears)

@@ -264,7 +264,7 @@ class DenseForCausalLM(nn.Module):
         return self.norm(x)
 
     def after_load(self) -> None:
-        """Every linear weight packed where the CPU runs bf16 packed (`Linear.pack`), the
+        """Every linear weight packed where packing pays on this CPU (`Linear.pack`), the
         logits' too (the embedding's where tied)."""
         for module in self.modules():
             if isinstance(module, Linear):

@@ -19,9 +19,9 @@ def column_major(*shape: int) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that runs on a packed copy of its weight once `pack` has made one (bf16 on a
-    CPU with bf16 instructions: `kernels.packed_linear`); `packed` is a plain attribute, so a
-    compiled graph is traced (and keyed) for one path or the other."""
+    """`nn.Linear` that runs on a packed copy of its weight once `pack` has made one (where
+    `kernels.packed_linear` packs: bf16 with bf16 instructions, fp32 on AMD); `packed` is a
+    plain attribute, so a compiled graph is traced (and keyed) for one path or the other."""
 
     packed = False
 
