@@ -1,6 +1,6 @@
 """Causal prefill attention on CPU in bf16 or fp32 over oneDNN's batch-reduce GEMM (C++,
 csrc/prefill_attention.cpp) as the torch op `deepinfer::prefill_attention`, beside its torch
-reference (SDPA's flash kernel)."""
+reference (SDPA with a causal mask)."""
 
 from __future__ import annotations
 

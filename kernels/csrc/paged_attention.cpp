@@ -84,6 +84,8 @@ void attend_generic(const Problem& pb, const T* q, const T* kc, const T* vc, int
 
 #ifdef DEEPINFER_AVX512
 
+using deepinfer_vec::exp_neg;
+
 // Lane j of the result = the sum of v[j]'s 16 lanes (a transpose-and-add tree).
 inline __m512 hsum16(const __m512* v) {
   __m512 a[8], b[4], c[2];
@@ -205,7 +207,7 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
         s = _mm512_mask_blend_ps(valid, neg_inf, s);
         const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
         const __m512 p =
-            _mm512_maskz_mov_ps(valid, deepinfer_vec::exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+            _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
         _mm512_store_ps(probs[g], p);
         for (int i = 0; i < V; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + g * D + 16 * i);
         if (m_new != m[g]) {

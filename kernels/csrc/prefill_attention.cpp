@@ -1,7 +1,8 @@
 // Causal prefill attention on CPU, bf16 or fp32: flash-style blocks whose two products (Q K^T
 // and P V) run as oneDNN's batch-reduce GEMM into fp32 (torch's cpublas::brgemm; for bf16 AMX
-// where the CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The query rows of
-// a KV head's whole group share each product. Parallel over (KV head, query block).
+// where the CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The
+// query rows of a KV head's whole group share each product. Parallel over (KV head, query
+// block).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -29,6 +30,7 @@ constexpr int64_t kKeyBlock = 128;  // keys per product (even: the VNNI layout p
 constexpr int64_t kRows = 128;      // query rows per product, over the whole head group
 
 using bf16 = at::BFloat16;
+using deepinfer_vec::exp_neg;
 
 // K's block [KB, D] (rows `stride` apart) as the B operand of Q K^T, K^T [D, KB]: for bf16 in
 // the VNNI layout ([D/2][KB][2]) the products take. Rows past `n` are zero.
@@ -127,7 +129,7 @@ void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, in
       for (int64_t t = 0; t < KB; t += 16) {
         const __mmask16 live = live_lanes(valid - t);
         const __m512 p = _mm512_maskz_mov_ps(
-            live, deepinfer_vec::exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mv)));
+            live, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mv)));
         sum = _mm512_add_ps(sum, p);
         store_probs(p, pr + t);
       }
