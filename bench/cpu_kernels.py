@@ -29,15 +29,20 @@ from kernels import paged_attention_cpu
 from kernels.paged_attention_cpu import context_mask, paged_decode_attention, paged_decode_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HQ, HKV, DIM = 9, 3, 64  # SmolLM2-135M's attention heads
+
+
+def header(what: str, args: argparse.Namespace) -> None:
+    print(
+        f"{what}, one layer, {HQ}/{HKV} heads, head_dim {DIM}, "
+        f"{args.stat} of {args.reps}, {machine()}"
+    )
 
 
 def attention(args: argparse.Namespace) -> None:
     paged_attention_cpu.build()
-    hq, hkv, dim, bs = 9, 3, 64, 16
-    print(
-        f"paged decode attention, one layer, {hq}/{hkv} heads, head_dim {dim}, "
-        f"{args.stat} of {args.reps}, {machine()}"
-    )
+    hq, hkv, dim, bs = HQ, HKV, DIM, 16
+    header("paged decode attention", args)
     print("dtype  batch  ctx   op µs (auto)  op µs (1 piece)  gather+SDPA µs  speed-up")
     for name in args.dtypes:
         dtype = DTYPES[name]
@@ -75,11 +80,8 @@ def prefill(args: argparse.Namespace) -> None:
     from daemon.models.attention import chunk_attention
     from kernels.prefill_attention_cpu import prefill_attention, supports
 
-    hq, hkv, dim = 9, 3, 64
-    print(
-        f"prefill attention, one layer, {hq}/{hkv} heads, head_dim {dim}, "
-        f"{args.stat} of {args.reps}, {machine()}"
-    )
+    hq, hkv, dim = HQ, HKV, DIM
+    header("prefill attention", args)
     print("dtype  n/ctx        op ms  GFLOP/s   SDPA ms  GFLOP/s  speed-up")
     for name in args.dtypes:
         dtype = DTYPES[name]

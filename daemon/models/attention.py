@@ -213,6 +213,8 @@ def paged_attention(
     out = torch.empty_like(q)
     if decoded is not None:
         out[:b] = decoded
+    # one answer for every chunk: a cached context's gathered rows share k's dtype and layout
+    fast = bool(batch.prefills) and prefill_attention_cpu.supports(q, k, v, out)
     for p in batch.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         if p.kv_index is None:
@@ -220,7 +222,7 @@ def paged_attention(
         else:
             ks = k_cache.index_select(0, p.kv_index)
             vs = v_cache.index_select(0, p.kv_index)
-        if prefill_attention_cpu.supports(q, ks, vs, out):
+        if fast:
             prefill_attention_cpu.prefill_attention(q[rows], ks, vs, scale, out[rows])
             continue
         o = chunk_attention(
