@@ -60,13 +60,26 @@ class VerifyAll:
     outcomes: list[tuple[int, int]] = field(default_factory=list)
     steps: list[tuple[int, int, int, float]] = field(default_factory=list)
 
-    def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
+    def choose(
+        self,
+        candidates: list[Candidate],
+        num_seqs: int,
+        num_tokens: int,
+        context: float | None = None,
+    ) -> list[int]:
         return [c.max_len for c in candidates]
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         self.outcomes.append((verified, accepted))
 
-    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+    def observe_step(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_drafts: int,
+        seconds: float,
+        context: float | None = None,
+    ) -> None:
         self.steps.append((num_tokens, num_seqs, num_drafts, seconds))
 
     def calibration(self) -> list[dict[str, float | int | None]]:

@@ -55,6 +55,7 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("[engine]\nmax_num_seqs = 0\n", "engine.max_num_seqs"),
         ("[engine]\noverlap = 1\n", "engine.overlap"),
         ("[engine]\nswa_miss_policy = 'guess'\n", "engine.swa_miss_policy"),
+        ("[engine]\nspec_min_gain = -0.1\n", "engine.spec_min_gain"),
         ("[engine]\ntraffic_classes = ['Bad Name=1d']\n", "engine.traffic_classes"),
         (
             "[engine]\nkv_store_high_watermark = 0.5\nkv_store_low_watermark = 0.7\n",
@@ -146,3 +147,16 @@ def test_thinking_default_from_file_environment_and_flag(tmp_path: Path) -> None
     assert load_settings(path, env).server.thinking_default == "on"
     args = build_parser().parse_args(["serve", "--config", str(path), "--thinking-default", "on"])
     assert settings_from(args).server.thinking_default == "on"
+
+
+def test_spec_min_gain_from_the_flag() -> None:
+    from daemon.build.config import EngineConfig
+    from daemon.loop.spec.policy import MIN_GAIN
+    from daemon.service.cli import build_parser
+    from daemon.service.flags import overrides
+
+    assert EngineConfig().spec_min_gain == MIN_GAIN
+    given = overrides(build_parser().parse_args(["serve", "--spec-min-gain", "0.25"]))
+    s = load_settings(None, {}, given)
+    assert s.engine.spec_min_gain == 0.25
+    assert "spec_min_gain" not in overrides(build_parser().parse_args(["serve"]))["engine"]

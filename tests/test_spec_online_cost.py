@@ -2,7 +2,7 @@
 intercept from decode-only steps, the slope once verify steps measure it, no jump in the price
 of a step between batch sizes on either side of a power of two (what sitting out saves), steps
 with prefill chunks fitted apart (their drafts' slope recovered though the chunks shrink as
-drafts grow), old steps forgotten, the adaptive policy drafting less once the measured cost of
+drafts grow), steps priced at their context, old steps forgotten, the adaptive policy drafting less once the measured cost of
 a draft is higher, with chunks in every step or none, a level error of the table (every step
 dearer than profiled) kept off the drafts' price where the budget stays near its mean, and a
 step that verifies at all charged its own cost beside each draft row's."""
@@ -50,6 +50,20 @@ def test_decode_steps_move_the_intercept_not_the_slope() -> None:
         corrected = table().seconds(seqs, seqs) + share * (cost.seconds(64, 64) - 0.115)
         assert abs(cost.seconds(seqs, seqs) - corrected) < 1e-9
     assert cost.seconds(96, 64) == table().seconds(96, 64)  # a step with a chunk: untouched
+
+
+def test_steps_at_their_context_are_priced_by_the_tables_context_term() -> None:
+    """Steps whose rows read more positions than the profile's, as long as its context term
+    says, leave no correction: their drafts are priced at their context, dearer."""
+    t = CostTable(table().rows, 1e-6, context=128, context_seconds=2e-6)
+    cost = MeasuredCost(t)
+    for drafts in (0, 8, 0, 16) * 20:
+        cost.observe(64 + drafts, 64, drafts, t.seconds(64 + drafts, 64, drafts, 400), 400)
+    for drafts in (0, 8, 32):
+        at = t.seconds(64 + drafts, 64, drafts, 400)
+        assert abs(cost.seconds(64 + drafts, 64, drafts, 400) - at) < 1e-4
+    draft_row = (cost.seconds(72, 64, 8, 400) - cost.seconds(64, 64, 0, 400)) / 8
+    assert draft_row > (t.seconds(72, 64) - t.seconds(64, 64)) / 8 + 272 * 2e-6 * 0.9
 
 
 def test_verify_steps_teach_the_slope() -> None:

@@ -21,7 +21,9 @@ class TableCost:
     def __init__(self, by_tokens: dict[int, float]) -> None:
         self.by_tokens = by_tokens
 
-    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
+    def seconds(
+        self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
+    ) -> float:
         return self.by_tokens[num_tokens]
 
 
@@ -29,7 +31,9 @@ class LinearCost:
     def __init__(self, fixed: float, per_token: float) -> None:
         self.fixed, self.per_token = fixed, per_token
 
-    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
+    def seconds(
+        self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
+    ) -> float:
         return self.fixed + self.per_token * num_tokens
 
 
@@ -162,6 +166,20 @@ def test_adaptive_rollback_cost_holds_drafts_back() -> None:
     assert AdaptivePolicy(3, cost, rollback_seconds=0.2).choose(candidates, 4, 4) == [0] * 4
 
 
+def test_adaptive_verifies_only_past_its_min_gain() -> None:
+    """A plan with drafts is taken only where its expected rate beats none's by `min_gain`:
+    here the best (every draft) makes (4 + 4 * 0.3) / 1.08 tokens a second against 4 / 1.04,
+    25 % more."""
+    candidates = [Candidate(f"r{i}", [0.3], 1) for i in range(4)]
+    cost = LinearCost(1.0, 0.01)
+    assert AdaptivePolicy(3, cost, min_gain=0.2).choose(candidates, 4, 4) == [1, 1, 1, 1]
+    held = AdaptivePolicy(3, cost, min_gain=0.3)
+    assert held.choose(candidates, 4, 4) == [0] * 4
+    assert held.last_budget == 0 and held.last_expected == 0.0
+    with pytest.raises(ValueError, match="min_gain"):
+        AdaptivePolicy(3, cost, min_gain=-0.1)
+
+
 def test_adaptive_under_overlap_pays_for_the_held_step() -> None:
     # drafts expected to give 0.8 tokens: worth a nearly free verify, but under overlap not
     # the step the sequence then sits out while another decodes; alone, it sits out nothing
@@ -244,6 +262,9 @@ def test_build_policy() -> None:
     assert not adaptive.hold
     overlapped = build_policy("adaptive", 5, cost, overlap=True)
     assert isinstance(overlapped, AdaptivePolicy) and overlapped.hold
+    assert adaptive.min_gain == 0.0
+    hurdled = build_policy("adaptive", 5, cost, min_gain=0.15)
+    assert isinstance(hurdled, AdaptivePolicy) and hurdled.min_gain == 0.15
     with pytest.raises(ValueError, match="cost"):
         build_policy("adaptive", 5)
     with pytest.raises(ValueError, match="fixed, adaptive"):
@@ -356,6 +377,33 @@ def test_cost_table_extrapolates_linearly() -> None:
     assert t.seconds(20, 4) == pytest.approx(10.0)
     assert t.seconds(12, 7) == pytest.approx(6.0 + (6.0 - 6.5))  # past the last row
     assert t.seconds(0, 1) == 1.0  # never below the cheapest measured step
+
+
+def test_cost_table_prices_a_rows_context() -> None:
+    """Every decode and draft row costs `context_seconds` a position beyond the grid's
+    context (less short of it, never below the cheapest step); None leaves the grid's."""
+    t = CostTable(table().rows, 0.5, "cpu", context=128, context_seconds=1e-3)
+    assert t.seconds(12, 4, 2) == 6.0 and t.seconds(12, 4, 2, None) == 6.0
+    assert t.seconds(12, 4, 2, 228) == pytest.approx(6.0 + 6 * 100 * 1e-3)
+    assert t.seconds(12, 4, 0, 28) == pytest.approx(6.0 - 4 * 100 * 1e-3)
+    steep = CostTable(table().rows, context=128, context_seconds=1e-2)
+    assert steep.seconds(4, 4, 0, 0) == 1.0  # the cheapest measured step
+    back = CostTable.from_json(t.to_json())
+    assert back == t and back.context == 128 and back.context_seconds == 1e-3
+    with pytest.raises(ValueError, match="context"):
+        CostTable(table().rows, context_seconds=-1.0)
+
+
+def test_adaptive_prices_drafts_at_the_steps_context() -> None:
+    """Drafts that pay at the grid's context do not at a long one, where each row (the
+    decodes' too) reads 200 more positions: 4 decodes 0.04 s and 4 drafts at 0.5 survival
+    0.01 s more at 128 positions; at 328, 0.12 s and 0.09 s more."""
+    t = CostTable([CostRow(4, [4, 8], [0.04, 0.05])], context=128, context_seconds=1e-4)
+    candidates = [Candidate(f"r{i}", [0.5], 1) for i in range(4)]
+    policy = AdaptivePolicy(1, t)
+    assert policy.choose(candidates, 4, 4) == [1] * 4
+    assert policy.choose(candidates, 4, 4, 128) == [1] * 4
+    assert policy.choose(candidates, 4, 4, 328) == [0] * 4
 
 
 def test_cost_table_json_round_trip() -> None:

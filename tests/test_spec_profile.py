@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from daemon.kv.manager import KVManager, pool_sizes
+from daemon.loop import spec_profile
 from daemon.loop.runner import ModelRunner
 from daemon.loop.spec.cost import CostTable
-from daemon.loop.spec_profile import _non_decreasing, profile
+from daemon.loop.spec_profile import CONTEXT, LONG_CONTEXT, _non_decreasing, profile
 from daemon.models.checkpoints import make_dense_checkpoint, make_v4_checkpoint
 from daemon.models.loader import load_model
 
@@ -59,6 +60,7 @@ def test_profile_measures_every_batch_size(dense, monkeypatch) -> None:
     assert table.rows[0].seconds[-1] >= table.rows[0].seconds[0]
     assert table.seconds(BATCHED, 1) == pytest.approx(table.rows[0].seconds[-1])
     assert table.rollback_seconds >= 0 and table.device == "cpu"
+    assert table.context == CONTEXT and table.context_seconds >= 0
     assert CostTable.from_json(table.to_json()) == table
     assert [u.num_free for u in kv.usage()] == free  # every block given back
     assert not kv.tables
@@ -73,6 +75,28 @@ def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
     assert [r.num_seqs for r in table.rows] == [1, 4]
     assert table.rows[0].num_tokens == [1, 2, 4, 96]
     assert table.seconds(25, 5) > 0  # extrapolated
+    assert all(u.num_free == u.num_blocks for u in kv.usage())
+
+
+def test_profile_prices_a_rows_context(tmp_path, monkeypatch) -> None:
+    """Decode steps at CONTEXT and LONG_CONTEXT positions give what a row costs per position,
+    on a quarter as many sequences where the pool cannot hold the batch that long (40 blocks:
+    4 sequences of 513 positions do not fit, 1 does)."""
+    runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=40 * 16)
+    long_steps: list[int] = []
+
+    def timed(runner, kv, step, repeats, budget) -> float:  # 1 ms a row, 2 us a row-position
+        decodes = [s for s in step.seqs if s.is_decode]
+        if any(s.start == LONG_CONTEXT for s in decodes):
+            long_steps.append(len(step.seqs))
+        return 1e-3 * sum(s.num_tokens for s in step.seqs) + 2e-6 * sum(s.start for s in decodes)
+
+    monkeypatch.setattr(spec_profile, "_time", timed)
+    table = profile(runner, kv, MAX_SEQS, 96, k=3, repeats=1, point_seconds=0.05)
+    assert long_steps == [1]
+    assert table.context == CONTEXT and table.context_seconds == pytest.approx(2e-6)
+    base = table.seconds(4, 4)
+    assert table.seconds(4, 4, 0, CONTEXT + 100) == pytest.approx(base + 4 * 100 * 2e-6)
     assert all(u.num_free == u.num_blocks for u in kv.usage())
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from daemon.loop.spec.policy import MIN_GAIN
+
 DEVICES = ("auto", "cpu", "cuda", "npu")  # auto: cuda when torch sees one, else cpu
 DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the checkpoint's (fp32 on a CPU)
 # built-in models (build.demo) served without a model: real SmolLM2 (the default), random V4
@@ -64,6 +66,9 @@ class EngineConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 5
     spec_policy: str = "adaptive"
+    # adaptive: verify drafts only where their expected tokens per second beat none's by this
+    # share (the error of the policy's model: AdaptivePolicy)
+    spec_min_gain: float = MIN_GAIN
     # layer-skip drafting: the target's first layers that draft (0: half of them)
     draft_layers: int = 0
     # draft-model drafting: a small model with the target's tokenizer (checkpoint directory or

@@ -170,6 +170,6 @@ def build_speculator(
     if cfg.spec_policy == "adaptive":
         with failing_as("speculative decoding's step-cost profile", ValueError):
             cost = profile(runner, kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, k)
-    policy = build_policy(cfg.spec_policy, k, cost, overlap)
+    policy = build_policy(cfg.spec_policy, k, cost, overlap, cfg.spec_min_gain)
     stats = SpecStats(cfg.speculative, cfg.spec_policy)
     return Speculator(build_drafter(cfg.speculative, k), policy, k, stats)

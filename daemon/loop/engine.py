@@ -42,7 +42,13 @@ from daemon.loop.request import (
     SamplingParams,
 )
 from daemon.loop.runner import ModelRunner, StepResult
-from daemon.loop.scheduler import ScheduledSeq, Scheduler, SchedulerStep, StoreRead
+from daemon.loop.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerStep,
+    StoreRead,
+    decode_context,
+)
 from daemon.loop.spec.device_drafter import DeviceDrafter, EarlyDraft
 from daemon.loop.transfer import KVTransfer
 from daemon.models.base import KVExport
@@ -613,7 +619,8 @@ class Engine:
             return
         num_tokens = sum(s.num_tokens for s in step.seqs)
         num_drafts = sum(len(s.draft) for s in step.seqs)
-        spec.observe_step(num_tokens, len(step.seqs), num_drafts, seconds)
+        context = decode_context(step.seqs)
+        spec.observe_step(num_tokens, len(step.seqs), num_drafts, seconds, context)
 
     def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
         """Drafts the runner made after this step's token (on the device), for the drafter."""

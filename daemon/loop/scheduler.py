@@ -65,6 +65,13 @@ class StoreRead:
     keys: list[bytes]
 
 
+def decode_context(seqs: list[ScheduledSeq]) -> float | None:
+    """The positions the decode and verify rows of a step attend, on average (None: it has
+    none): what the speculative step cost prices a row's attention by."""
+    starts = [s.start for s in seqs if s.is_decode or s.draft]
+    return sum(starts) / len(starts) if starts else None
+
+
 @dataclass
 class SchedulerStep:
     """What to run this step (`seqs` empty: nothing, only reads to start) and the block-store
@@ -178,7 +185,8 @@ class Scheduler:
         limits = [
             (s.request, s.request.params.max_tokens - s.request.num_sampled_scheduled) for s in seqs
         ]
-        plans = spec.plan(limits, len(scheduled), sum(s.num_tokens for s in scheduled))
+        tokens = sum(s.num_tokens for s in scheduled)
+        plans = spec.plan(limits, len(scheduled), tokens, decode_context(scheduled))
         chosen = 0
         for seq, plan in zip(seqs, plans):
             n = min(plan.length, budget)

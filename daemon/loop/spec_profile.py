@@ -24,6 +24,7 @@ log = structlog.get_logger(__name__)
 
 PROFILE_ID = "spec-profile-{}"
 CONTEXT = 128  # positions each synthetic sequence has computed before its decode / verify rows
+LONG_CONTEXT = 4 * CONTEXT  # decode steps timed here too: what a row costs per position
 
 
 @dataclass
@@ -52,7 +53,8 @@ def profile(
     (one that verifies none stops drafting): the drafting cost is in the table's verify
     points, so choosing any draft for a sequence is charged its passes, spread over its first
     drafts' tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
-    and restore (`rollback_seconds`, timed apart) are taken out of the verify points. Each
+    and restore (`rollback_seconds`, timed apart) are taken out of the verify points; decode
+    steps at a longer context give what a row costs per position (`context_seconds`). Each
     point is the median of up to `repeats` runs after an untimed one, fewer once the point has
     taken `point_seconds` (a first run that long is its own measurement); each row is then made
     non-decreasing in tokens, against the noise of a shared machine. Must run before any
@@ -83,6 +85,9 @@ def profile(
                 seconds = max(seconds - rollback * point.num_seqs, measured[0])
             tokens.append(point.num_tokens)
             measured.append(seconds)
+        per_position = _context_seconds(
+            runner, kv, reqs, fitted, runner.vocab_size, repeats, point_seconds
+        )
     finally:
         for req in reqs:
             kv.free(req.request_id)
@@ -95,6 +100,8 @@ def profile(
         ],
         rollback,
         runner.device.type,
+        CONTEXT,
+        per_position,
     )
     log.info(
         "spec step costs",
@@ -104,6 +111,33 @@ def profile(
         table=table.to_json(),
     )
     return table
+
+
+def _context_seconds(
+    runner: ModelRunner,
+    kv: KVManager,
+    reqs: list[Request],
+    seqs: int,
+    vocab_size: int,
+    repeats: int,
+    budget: float,
+) -> float:
+    """What a decode row costs per position of context: decode steps of `seqs` sequences
+    at CONTEXT and at LONG_CONTEXT positions, back to back (a quarter as many sequences
+    while the pool cannot hold them that long); 0 where not even one fits. The grid's
+    blocks are given back first."""
+    for req in reqs:
+        kv.free(req.request_id)
+    while seqs >= 1 and not all(kv.grow(r.request_id, LONG_CONTEXT + 1) for r in reqs[:seqs]):
+        for req in reqs[:seqs]:
+            kv.free(req.request_id)
+        seqs //= 4
+    if seqs < 1:
+        return 0.0
+    point = _Point(seqs, 1, seqs)
+    short = _time(runner, kv, _step(reqs, point, vocab_size), repeats, budget)
+    long = _time(runner, kv, _step(reqs, point, vocab_size, context=LONG_CONTEXT), repeats, budget)
+    return max(0.0, (long - short) / (seqs * (LONG_CONTEXT - CONTEXT)))
 
 
 def _time(
@@ -166,15 +200,21 @@ def _plan(
     return points
 
 
-def _step(reqs: list[Request], point: _Point, vocab_size: int, drafts: int = 0) -> SchedulerStep:
-    """Decodes (1 token each) or decodes with `per_seq` - 1 drafts after CONTEXT computed
+def _step(
+    reqs: list[Request],
+    point: _Point,
+    vocab_size: int,
+    drafts: int = 0,
+    context: int = CONTEXT,
+) -> SchedulerStep:
+    """Decodes (1 token each) or decodes with `per_seq` - 1 drafts after `context` computed
     positions, each verify also drafting `drafts` at its end; a prefill-sized point: decodes
     and one prefill chunk from position 0 making `num_tokens`. Every input token is known, as
     sampled tokens would be."""
     seqs = []
     for i, req in enumerate(reqs[: point.num_seqs]):
         prefill = point.per_seq == 0 and i == 0
-        start = 0 if prefill else CONTEXT
+        start = 0 if prefill else context
         n = point.num_tokens - (point.num_seqs - 1) if prefill else max(point.per_seq, 1)
         req.prompt_ids = [(31 * p + i) % vocab_size for p in range(start + n)]
         req.slot = i

@@ -429,6 +429,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="how many drafts each request verifies: adaptive (default) by expected tokens "
         "per second against step costs profiled at start, fixed: all of them",
     )
+    s.add_argument(
+        "--spec-min-gain",
+        type=float,
+        default=S,
+        help="adaptive: verify drafts only where their expected tokens per second beat "
+        f"verifying none by this share (default {_default(EngineConfig, 'spec_min_gain')})",
+    )
     m = p.add_argument_group("MoE expert parallelism (one daemon process per rank)")
     m.add_argument("--ep-size", type=int, default=S, help="ranks in the group (1: off)")
     m.add_argument("--ep-rank", type=int, default=S)

@@ -200,6 +200,8 @@ def check(s: Settings) -> None:
     _choice("engine.spec_policy", e.spec_policy, SPEC_POLICIES)
     if e.num_speculative_tokens < 1:
         raise ConfigError("engine.num_speculative_tokens", "must be at least 1")
+    if not e.spec_min_gain >= 0:
+        raise ConfigError("engine.spec_min_gain", "must be >= 0")
     if e.draft_layers < 0:
         raise ConfigError("engine.draft_layers", "must be >= 0 (0: half the model's layers)")
     if e.draft_model and e.speculative not in (None, "draft-model"):

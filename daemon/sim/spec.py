@@ -61,9 +61,11 @@ class TableSpecCost:
     def __init__(self, table: CostTable, context: Callable[[], float]) -> None:
         self.table, self.context = table, context
 
-    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
+    def seconds(
+        self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
+    ) -> float:
         rows = num_seqs + num_drafts
-        seconds = self.table.decode.at(rows, self.context())
+        seconds = self.table.decode.at(rows, self.context() if context is None else context)
         extra = num_tokens - rows
         return seconds + (self.table.prefill.at(extra, 0) if extra > 0 else 0.0)
 
@@ -77,7 +79,9 @@ class SimSpeculation:
         """`context`: the node's running requests' mean context now (the step cost's)."""
         self.drafter = RateDrafter(cfg, node)
         # as `serve --spec-policy` builds it (the nodes schedule without the overlap's hold)
-        policy = build_policy(cfg.policy, cfg.k, TableSpecCost(table, context))
+        policy = build_policy(
+            cfg.policy, cfg.k, TableSpecCost(table, context), min_gain=cfg.min_gain
+        )
         self.speculator = Speculator(self.drafter, policy, cfg.k)
 
     def verified(self, seq: ScheduledSeq, scheduler: Scheduler) -> int:

@@ -55,10 +55,13 @@ class Drafter(Protocol):
 class StepCost(Protocol):
     """The device's step time, profiled at engine start."""
 
-    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
+    def seconds(
+        self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
+    ) -> float:
         """A forward + sampling step of `num_tokens` tokens over `num_seqs` sequences, with the
         rollback of rejected drafts; `num_drafts` of the tokens are draft (verify) rows, the
-        rest beyond one per sequence prefill chunks' tokens."""
+        rest beyond one per sequence prefill chunks' tokens; the decode and draft rows attend
+        `context` positions on average (None: unknown)."""
         ...
 
 
@@ -74,20 +77,35 @@ class Candidate:
 class SpecPolicy(Protocol):
     """How many drafts each candidate verifies in a step."""
 
-    def choose(self, candidates: list[Candidate], num_seqs: int, num_tokens: int) -> list[int]:
+    def choose(
+        self,
+        candidates: list[Candidate],
+        num_seqs: int,
+        num_tokens: int,
+        context: float | None = None,
+    ) -> list[int]:
         """Drafts to verify per candidate (each in 0..max_len; 0: a plain decode), for a step
         that without drafts computes `num_tokens` tokens over `num_seqs` sequences (the
-        candidates' own decode rows included)."""
+        candidates' own decode rows included), whose decodes attend `context` positions on
+        average (None: unknown)."""
         ...
 
     def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
         """A verified draft's outcome (`confidence` as proposed): calibration data."""
         ...
 
-    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+    def observe_step(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_drafts: int,
+        seconds: float,
+        context: float | None = None,
+    ) -> None:
         """A step ran `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
         rows (the rest decodes and prefill chunks), in `seconds` (host preparation and
-        device): cost data."""
+        device), its decode and draft rows attending `context` positions on average: cost
+        data."""
         ...
 
     def calibration(self) -> list[dict[str, float | int | None]]:

@@ -108,8 +108,10 @@ class MeasuredCost:
     def rollback_seconds(self) -> float:
         return self.table.rollback_seconds
 
-    def seconds(self, num_tokens: int, num_seqs: int, num_drafts: int = 0) -> float:
-        base = self.table.seconds(num_tokens, num_seqs)
+    def seconds(
+        self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
+    ) -> float:
+        base = self.table.seconds(num_tokens, num_seqs, num_drafts, context)
         chunk = num_tokens - num_seqs - num_drafts
         correction = 0.0
         for anchor, share in _anchors(num_seqs):
@@ -120,14 +122,22 @@ class MeasuredCost:
                 correction += share * (a + b * num_drafts + c * chunk + v * verifies)
         return max(base + correction, FLOOR * base)
 
-    def observe(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
+    def observe(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_drafts: int,
+        seconds: float,
+        context: float | None = None,
+    ) -> None:
         """A step of `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
         (verify) rows, the rest beyond one per sequence prefill chunks' tokens, took `seconds`
-        (host preparation and the device's step, as the table measured)."""
+        (host preparation and the device's step, as the table measured); its decode and draft
+        rows attended `context` positions on average (None: as the table's)."""
         chunk = num_tokens - num_seqs - num_drafts
         if num_seqs < 1 or num_drafts < 0 or chunk < 0 or not seconds > 0:
             return
-        residual = seconds - self.table.seconds(num_tokens, num_seqs)
+        residual = seconds - self.table.seconds(num_tokens, num_seqs, num_drafts, context)
         for anchor, share in _anchors(num_seqs):
             fit = self._fits.setdefault((anchor, chunk > 0), _Fit())
             fit.add(float(num_drafts), float(chunk), residual, self.memory, share)

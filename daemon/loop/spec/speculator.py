@@ -39,11 +39,16 @@ class Speculator:
         self.stats.policy = self.stats.policy or type(self.policy).__name__
 
     def plan(
-        self, requests: list[tuple[Request, int]], num_seqs: int, num_tokens: int
+        self,
+        requests: list[tuple[Request, int]],
+        num_seqs: int,
+        num_tokens: int,
+        context: float | None = None,
     ) -> list[Planned]:
         """Drafts for `requests` (each with the most drafts it may verify), proposed on the
         loop thread; the policy chooses each one's length for a step of `num_tokens` tokens
-        over `num_seqs` sequences without drafts. Aligned with `requests`."""
+        over `num_seqs` sequences without drafts, whose decodes attend `context` positions on
+        average. Aligned with `requests`."""
         planned: list[Planned] = []
         candidates: list[Candidate] = []
         chosen: list[int] = []  # indices into `planned` of the candidates
@@ -58,7 +63,7 @@ class Speculator:
                     Candidate(req.request_id, list(draft.confidence), len(draft.tokens))
                 )
         if candidates:
-            lengths = self.policy.choose(candidates, num_seqs, num_tokens)
+            lengths = self.policy.choose(candidates, num_seqs, num_tokens, context)
             for i, c, n in zip(chosen, candidates, lengths, strict=True):
                 planned[i].length = max(0, min(int(n), c.max_len))
         return planned
@@ -77,7 +82,7 @@ class Speculator:
         if not confidence:
             return False
         candidate = Candidate(req.request_id, confidence, len(confidence))
-        return any(self.policy.choose([candidate], num_seqs, num_seqs))
+        return any(self.policy.choose([candidate], num_seqs, num_seqs, req.num_computed))
 
     def observe(self, req: Request, proposal: Draft, verified: int, accepted: int) -> None:
         """A verified draft's outcome: to the drafter, the policy's calibration and the stats."""
@@ -85,10 +90,17 @@ class Speculator:
         self.policy.observe(proposal.confidence, verified, accepted)
         self.stats.on_verified(verified, accepted)
 
-    def observe_step(self, num_tokens: int, num_seqs: int, num_drafts: int, seconds: float) -> None:
-        """A step's measured time (`num_drafts` of its `num_tokens` are draft rows): to the
-        policy's cost."""
-        self.policy.observe_step(num_tokens, num_seqs, num_drafts, seconds)
+    def observe_step(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        num_drafts: int,
+        seconds: float,
+        context: float | None = None,
+    ) -> None:
+        """A step's measured time (`num_drafts` of its `num_tokens` are draft rows, which with
+        the decodes attend `context` positions on average): to the policy's cost."""
+        self.policy.observe_step(num_tokens, num_seqs, num_drafts, seconds, context)
 
     def finished(self, req: Request) -> None:
         self.drafter.finished(req)
