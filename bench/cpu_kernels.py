@@ -10,7 +10,8 @@
 `prefill`: one layer's causal prefill attention of a chunk of n tokens at the end of ctx
 (`n/ctx`), the C++ op vs `chunk_attention` (SDPA's flash kernel, as the engine called it
 before), GFLOP/s.
-`sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating.
+`sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating;
+greedy: the C++ `greedy_rows` vs torch's `max`.
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
 after the last request's first token, over that window.
@@ -134,6 +135,16 @@ def sampling(args: argparse.Namespace) -> None:
     for b in args.batches:
         g = torch.Generator().manual_seed(b)
         logits = 3 * torch.randn(b, args.vocab, generator=g)
+        greedy = {
+            "kernel": lambda logits=logits: sampling_cpu.greedy_rows(logits),
+            "torch": lambda logits=logits: logits.max(dim=-1).indices,
+        }
+        t = median_us(greedy, args.reps, args.stat)
+        print(
+            f"{b:5d}  {'greedy':26s} {t['kernel'] / 1e3:10.2f} {t['torch'] / 1e3:10.2f} "
+            f"{t['torch'] / t['kernel']:8.2f}x",
+            flush=True,
+        )
         for name, params in cases.items():
             sb = SamplingBatch.build([params] * b, [0] * b, args.vocab)
 

@@ -1,6 +1,7 @@
 """Top-k / top-p / min-p sampling of one token per row on CPU (C++, csrc/sampling.cpp) as the
 torch op `deepinfer::sample_rows`, next to its torch reference (a full sort, then the inverse
-CDF at the same uniform draws). Both draw from weights e^(x - max x), x = logits / temperature."""
+CDF at the same uniform draws). Both draw from weights e^(x - max x), x = logits / temperature.
+Greedy rows: `deepinfer::greedy_rows` (csrc/greedy.cpp; reference: torch's `max`)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,32 @@ def supports(logits: torch.Tensor) -> bool:
         and logits.dtype == torch.float32
         and cpu_build.available()
     )
+
+
+torch.library.define("deepinfer::greedy_rows", "(Tensor logits) -> Tensor")
+
+
+@torch.library.register_fake("deepinfer::greedy_rows")
+def _(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.long)
+
+
+def supports_greedy(logits: torch.Tensor) -> bool:
+    """Whether `greedy_rows` serves these logits ([S, V] float32 or bfloat16 on a CPU)."""
+    return (
+        ENABLED
+        and logits.device.type == "cpu"
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and cpu_build.available()
+    )
+
+
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[S] each row's argmax, the first of tied maxima, as `logits.max(-1).indices` (NaNs
+    are passed over): one pass, no reduction tensors (`bench.cpu_kernels sampling`)."""
+    cpu_build.load()
+    return torch.ops.deepinfer.greedy_rows(logits)
 
 
 def sample_rows(

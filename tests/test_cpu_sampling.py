@@ -1,6 +1,6 @@
 """The C++ sampler (kernels/sampling_cpu.py) against its torch reference at the same uniform
 draws, and `sample` with it and with the torch path it replaces on CPU: the same supports and
-the same distributions."""
+the same distributions; the C++ greedy rows against torch's max (ties, NaN, strides)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from daemon.loop.request import SamplingParams
-from daemon.loop.sampler import SamplingBatch, sample
-from kernels import sampling_cpu
+from daemon.loop.sampler import SamplingBatch, greedy, sample
+from kernels import cpu_build, sampling_cpu
 from kernels.sampling_cpu import row_weights, sample_rows, sample_rows_reference
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -63,3 +63,35 @@ def test_both_paths_sample_the_same_distribution(
         counts = torch.bincount(tokens, minlength=4).float() / n
         assert torch.allclose(counts, want, atol=0.015), (params, counts)
         assert set(tokens.tolist()) == {i for i in range(4) if want[i] > 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(64, 49152), (3, 17), (2, 15), (5, 1000)])
+def test_greedy_rows_is_torchs_max(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    if not cpu_build.load():
+        pytest.skip("no C++ toolchain")
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    # ties: the first of equal maxima wins, across vector lanes and in the tail
+    logits[0, vocab // 3] = logits[0, vocab - 1] = logits[0, 5] = 100.0
+    logits[-1, vocab - 1] = logits[-1, vocab - 2] = 50.0
+    want = logits.max(dim=-1).indices
+    assert torch.equal(sampling_cpu.greedy_rows(logits), want)
+    assert int(sampling_cpu.greedy_rows(logits)[0]) == 5
+    assert torch.equal(greedy(logits), want)  # the sampler takes the op
+
+
+def test_greedy_rows_takes_strided_rows_and_passes_nans_over() -> None:
+    if not cpu_build.load():
+        pytest.skip("no C++ toolchain")
+    logits = torch.randn(8, 2 * 300)
+    rows = logits[::2, :300]  # rows 2 apart, a row stride of 600
+    assert torch.equal(sampling_cpu.greedy_rows(rows), rows.max(dim=-1).indices)
+    cols = torch.randn(300, 4).t()  # not contiguous within a row
+    assert torch.equal(sampling_cpu.greedy_rows(cols), cols.max(dim=-1).indices)
+    nan = torch.tensor([[0.0, float("nan"), 3.0, 1.0] * 8])
+    assert sampling_cpu.greedy_rows(nan).tolist() == [2]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        sampling_cpu.greedy_rows(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"\[S, V\]"):
+        sampling_cpu.greedy_rows(torch.zeros(3))

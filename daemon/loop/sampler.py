@@ -171,8 +171,11 @@ def _sample_cpu(
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first of tied maxima, as argmax): `max` over the last dim, 2.4x
-    faster than `argmax` on a CPU ([64, 49152] fp32: 0.98 against 2.38 ms; bf16 5.8 ms)."""
+    """Each row's argmax (the first of tied maxima, as argmax): on a CPU the C++ op
+    (`sampling_cpu.greedy_rows`: [64, 49152] fp32 on 2 Zen 5 cores 0.21 ms against 0.83 for
+    `max`), else `max` over the last dim (2.4x faster than `argmax` on a CPU)."""
+    if sampling_cpu.supports_greedy(logits):
+        return sampling_cpu.greedy_rows(logits)
     return logits.max(dim=-1).indices
 
 
