@@ -196,11 +196,11 @@ class StepOpProfile:
         handles, sampling = _scope_hooks(model), []
         compute_logits = model.compute_logits
 
-        def scoped_logits(hidden: torch.Tensor) -> torch.Tensor:
+        def scoped_logits(hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
             rf = record_function(SCOPE + "sampling")  # until the step ends: logits and sampling
             rf.__enter__()
             sampling.append(rf)
-            return compute_logits(hidden)
+            return compute_logits(hidden, upcast)
 
         model.compute_logits = scoped_logits
         try:

@@ -85,6 +85,32 @@ async def test_batch_equals_alone_equals_transformers(
     assert all(o[-1].finish_reason == FinishReason.LENGTH for o in batched)
 
 
+async def test_greedy_steps_skip_the_fp32_logits_and_keep_their_tokens(checkpoint, prompts):
+    """Steps whose rows are all greedy, with nothing else on the logits, take the argmax of the
+    head's own bf16 logits; asked for logprobs (fp32 logits), the same tokens."""
+    engine = await started(checkpoint, dtype="bfloat16")
+    model, upcasts = engine.runner.model, []
+    compute = model.compute_logits
+
+    def spy(hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = compute(hidden, upcast)
+        upcasts.append(upcast)
+        assert logits.dtype == (torch.float32 if upcast else torch.bfloat16)
+        return logits
+
+    model.compute_logits = spy
+    logged = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    try:
+        plain = await asyncio.gather(*(collect(engine, p, GREEDY) for p in prompts[:3]))
+        assert upcasts and not any(upcasts)
+        upcasts.clear()
+        with_logprobs = await asyncio.gather(*(collect(engine, p, logged) for p in prompts[:3]))
+        assert upcasts and all(upcasts)
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in plain] == [tokens(o) for o in with_logprobs]
+
+
 async def test_waiting_for_each_launch_keeps_outputs(checkpoint, prompts, reference_outputs):
     """The accelerator ordering (the loop handles step N once N+1 is queued), forced on the
     CPU, where "queued" means done: same tokens, nothing stalls."""

@@ -584,8 +584,9 @@ class ModelRunner:
         if step.num_samples == 0:
             return None, prompt, None, None
         hidden = hidden[step.logits_rows.to(dev, non_blocking=True)]
-        logits = self.model.compute_logits(hidden)
         sb = step.sampling.to(dev) if step.sampling is not None else None
+        # greedy rows and nothing that writes the logits: no fp32 copy of them is needed
+        logits = self.model.compute_logits(hidden, upcast=not _plain_greedy(step, sb, vr))
         wants_logprobs = (sb is not None and sb.max_logprobs is not None) or (
             vr is not None and vr.sampling.max_logprobs is not None
         )
@@ -828,3 +829,18 @@ def _prompt_entries(
         out.append((span.seq_index, span.first, entries))
         row += span.count
     return out
+
+
+def _plain_greedy(step: PreparedStep, sb: SamplingBatch | None, vr: VerifyRows | None) -> bool:
+    """Whether every row of the step takes its argmax and nothing else reads or writes the
+    logits: no verify, no draft passes, no penalties, bias, grammar or logprobs."""
+    return (
+        sb is not None
+        and sb.all_greedy
+        and sb.max_logprobs is None
+        and vr is None
+        and step.drafting is None
+        and not step.penalty_rows
+        and step.logit_bias is None
+        and step.bitmask is None
+    )

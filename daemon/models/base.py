@@ -183,8 +183,10 @@ class Model(Protocol):
         """The forward over a prepared batch: a hidden row for every token (writes its KV)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] of the forward's rows `hidden` (chosen rows only)."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the forward's rows `hidden` (chosen rows only); with
+        `upcast` False, in the model's own dtype where the head computes them in it (greedy
+        rows need no fp32 copy)."""
         ...
 
 

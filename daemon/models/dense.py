@@ -277,11 +277,13 @@ class DenseForCausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         weight = self._head_weight()
         if self.head_packed:
-            return packed_linear.linear(hidden, weight, None).float()
-        return (hidden @ weight.t()).float()
+            logits = packed_linear.linear(hidden, weight, None)
+        else:
+            logits = hidden @ weight.t()
+        return logits.float() if upcast else logits
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter name (and shard) for a checkpoint tensor; None = not a parameter."""

@@ -184,8 +184,8 @@ class LlavaForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         return self.language_model.forward_layers(input_ids, positions, batch, cache, num_layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, upcast)
 
     def checkpoint_to_param(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith("model."):

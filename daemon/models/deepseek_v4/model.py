@@ -110,9 +110,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, input_ids, positions, batch, cache)
         return streams
 
-    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, streams: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Residual streams [N, hc, D] of the rows to sample (the forward returns every row's)
-        -> logits: the head's collapse and norm run on these rows only."""
+        -> fp32 logits (`upcast` or not): the head's collapse and norm run on these rows
+        only."""
         return self.lm_head(self.norm(self.hc_head(streams))).float()
 
     # ---- checkpoint loading -------------------------------------------------------------

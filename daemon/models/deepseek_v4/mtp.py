@@ -160,7 +160,8 @@ class MTPLayer(nn.Module):
         x = self.h_proj(self.hnorm(streams)) + e.unsqueeze(1)
         return self.block(x.to(streams.dtype), next_ids, positions, batch, cache)
 
-    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, streams: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """fp32 logits (`upcast` or not) of the rows' streams."""
         _, lm_head = self._shared
         return lm_head(self.norm(self.hc_head(streams))).float()
 
