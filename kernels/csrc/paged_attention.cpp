@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
@@ -163,10 +164,68 @@ inline void accumulate_v(__m512 (&acc)[G][D / 16], const float (&probs)[G][kChun
   }
 }
 
+// bf16 caches: acc[g] += sum_j probs[g][j] * v_j by dpbf16 over token pairs, the probabilities
+// rounded to bf16 (as flash kernels round P for their P.V product) and `sums[g]` the sum of
+// those rounded ones (the softmax's denominator of the same weights). A pair's V rows are
+// interleaved by unpacklo / unpackhi, so acc[g][2i] and acc[g][2i + 1] hold lanes of
+// zmm i of a row in that order (`unpermute` puts them back): a third of the float path's
+// instructions per token.
+template <int D, int G>
+inline void accumulate_v_pairs(__m512 (&acc)[G][D / 16], const float (&probs)[G][kChunk],
+                               float (&sums)[G], const at::BFloat16* vrow, int n,
+                               int64_t row_stride) {
+  alignas(64) uint32_t pairs[G][kChunk / 2];
+  for (int g = 0; g < G; ++g) {
+    const __m256bh p = _mm512_cvtneps_pbh(_mm512_load_ps(probs[g]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)p);
+    const __m512 rounded = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)p), 16));
+    sums[g] = _mm512_reduce_add_ps(rounded);  // lanes past n hold 0
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int j = 0; j < n; j += 2, vrow += 2 * row_stride) {
+    const bool both = j + 1 < n;
+    for (int i = 0; i < D / 32; ++i) {
+      const __m512i a = _mm512_loadu_si512(vrow + 32 * i);
+      const __m512i b = both ? _mm512_loadu_si512(vrow + row_stride + 32 * i) : zero;
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j / 2]));
+        acc[g][2 * i] = _mm512_dpbf16_ps(acc[g][2 * i], lo, pp);
+        acc[g][2 * i + 1] = _mm512_dpbf16_ps(acc[g][2 * i + 1], hi, pp);
+      }
+    }
+  }
+}
+
+// The lanes accumulate_v_pairs leaves (per 32 values of a row: unpacklo's then unpackhi's)
+// back in the row's order, for the D floats at `acc`.
+template <int D>
+inline void unpermute(float* acc) {
+  // value d of a 32-wide block: 128-bit lane L = d / 8, w = d % 8; unpacklo holds w < 4 at
+  // dword 4L + w, unpackhi w >= 4 at dword 4L + w - 4 (indices >= 16 pick from the second)
+  alignas(64) int first[16], second[16];
+  for (int d = 0; d < 32; ++d) {
+    const int lane = d / 8, w = d % 8;
+    const int at = w < 4 ? 4 * lane + w : 16 + 4 * lane + (w - 4);
+    (d < 16 ? first[d] : second[d - 16]) = at;
+  }
+  const __m512i i1 = _mm512_load_si512(first), i2 = _mm512_load_si512(second);
+  for (int i = 0; i < D / 32; ++i) {
+    const __m512 lo = _mm512_loadu_ps(acc + 32 * i), hi = _mm512_loadu_ps(acc + 32 * i + 16);
+    _mm512_storeu_ps(acc + 32 * i, _mm512_permutex2var_ps(lo, i1, hi));
+    _mm512_storeu_ps(acc + 32 * i + 16, _mm512_permutex2var_ps(lo, i2, hi));
+  }
+}
+
 template <typename T, int D, int G>
 void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int64_t b,
                    int64_t begin, int64_t end, float* state, int64_t head_step) {
   constexpr int V = D / 16;  // fp32 vectors per row
+  // bf16 caches take P.V by dpbf16 (accumulate_v_pairs); the state is in its lane order
+  // until the task's last chunk (it starts at zero, which any order holds)
+  constexpr bool kPairs = std::is_same_v<T, at::BFloat16>;
   const int64_t bs = pb.block_size, hkv = pb.hkv, row_stride = hkv * D;
   const __m512 scale = _mm512_set1_ps(pb.scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -217,15 +276,24 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
           l[g] *= corr;
           m[g] = m_new;
         }
-        l[g] += _mm512_reduce_add_ps(p);
+        if constexpr (!kPairs) l[g] += _mm512_reduce_add_ps(p);
       }
       const T* vrow = vc + (first * hkv + h) * D;
-      accumulate_v<T, D, G>(acc, probs, vrow, n, row_stride);
+      if constexpr (kPairs) {
+        float sums[G];
+        accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n, row_stride);
+        for (int g = 0; g < G; ++g) l[g] += sums[g];
+      } else {
+        accumulate_v<T, D, G>(acc, probs, vrow, n, row_stride);
+      }
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * D + 16 * i, acc[g][i]);
     }
     t0 += n;
   }
+  if constexpr (kPairs)
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int g = 0; g < G; ++g) unpermute<D>(state + h * head_step + g * D);
 }
 
 #endif  // DEEPINFER_AVX512
