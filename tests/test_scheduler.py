@@ -9,7 +9,7 @@ from daemon.kv.block_pool import BlockPool
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.loop.request import FinishReason, Request, SamplingParams
-from daemon.loop.scheduler import Scheduler
+from daemon.loop.scheduler import ScheduledSeq, Scheduler, decode_context
 from daemon.loop.spec.base import Draft
 from daemon.loop.spec.cost import CostRow, CostTable
 from daemon.loop.spec.policy import AdaptivePolicy, FixedPolicy
@@ -221,3 +221,12 @@ def test_a_request_whose_draft_is_declined_proposes_again_at_probes() -> None:
     assert len(drafter.asked["b"]) == 179  # every decode after its prefill
     declined = {r.request_id: r.declined_decodes for r in s.running}
     assert declined == {"a": 179, "b": 0}  # decodes since its first, declined
+
+
+def test_decode_context_is_the_mean_start_of_decode_and_verify_rows() -> None:
+    a, b, c = req("a", 10), req("b", 10), req("c", 10)
+    decode = ScheduledSeq(a, 100, 1, True, 0)
+    verify = ScheduledSeq(b, 300, 3, True, 0, draft=[5, 6])
+    chunk = ScheduledSeq(c, 0, 64, True, 0)
+    assert decode_context([decode, verify, chunk]) == 200.0
+    assert decode_context([chunk]) is None
