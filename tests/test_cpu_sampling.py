@@ -9,7 +9,7 @@ import torch
 
 from daemon.loop.request import SamplingParams
 from daemon.loop.sampler import SamplingBatch, greedy, sample
-from kernels import cpu_build, sampling_cpu
+from kernels import sampling_cpu
 from kernels.sampling_cpu import row_weights, sample_rows, sample_rows_reference
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -68,8 +68,6 @@ def test_both_paths_sample_the_same_distribution(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "vocab"), [(64, 49152), (3, 17), (2, 15), (5, 1000)])
 def test_greedy_rows_is_torchs_max(dtype: torch.dtype, rows: int, vocab: int) -> None:
-    if not cpu_build.load():
-        pytest.skip("no C++ toolchain")
     g = torch.Generator().manual_seed(rows * vocab)
     logits = torch.randn(rows, vocab, generator=g).to(dtype)
     # ties: the first of equal maxima wins, across vector lanes and in the tail
@@ -82,8 +80,6 @@ def test_greedy_rows_is_torchs_max(dtype: torch.dtype, rows: int, vocab: int) ->
 
 
 def test_greedy_rows_takes_strided_rows_and_passes_nans_over() -> None:
-    if not cpu_build.load():
-        pytest.skip("no C++ toolchain")
     logits = torch.randn(8, 2 * 300)
     rows = logits[::2, :300]  # rows 2 apart, a row stride of 600
     assert torch.equal(sampling_cpu.greedy_rows(rows), rows.max(dim=-1).indices)

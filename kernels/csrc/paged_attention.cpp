@@ -205,13 +205,9 @@ template <int D>
 inline void unpermute(float* acc) {
   // value d of a 32-wide block: 128-bit lane L = d / 8, w = d % 8; unpacklo holds w < 4 at
   // dword 4L + w, unpackhi w >= 4 at dword 4L + w - 4 (indices >= 16 pick from the second)
-  alignas(64) int first[16], second[16];
-  for (int d = 0; d < 32; ++d) {
-    const int lane = d / 8, w = d % 8;
-    const int at = w < 4 ? 4 * lane + w : 16 + 4 * lane + (w - 4);
-    (d < 16 ? first[d] : second[d - 16]) = at;
-  }
-  const __m512i i1 = _mm512_load_si512(first), i2 = _mm512_load_si512(second);
+  const __m512i i1 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i2 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int i = 0; i < D / 32; ++i) {
     const __m512 lo = _mm512_loadu_ps(acc + 32 * i), hi = _mm512_loadu_ps(acc + 32 * i + 16);
     _mm512_storeu_ps(acc + 32 * i, _mm512_permutex2var_ps(lo, i1, hi));

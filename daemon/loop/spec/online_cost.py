@@ -55,7 +55,7 @@ class _Fit:
         regression on the features centred at their weighted means, then the intercept from
         the mean residual (shrunk by its own ridge term). Centred, they learn only from how
         the residual moves with the drafts, the chunk and whether a step verifies: a level
-        error of the table (a busier machine, longer contexts than the profile's) goes to the
+        error of the table (a busier machine, a context its context term misses) goes to the
         intercept, not to the drafts when a budget seldom strays far from its mean."""
         if self._coef is None:
             w, mx, y = self.xx[0][0], self.xx[0][1:], self.xy[0]
