@@ -351,6 +351,25 @@ async def test_a_write_waited_on_leaves_the_background_writers(tmp_path: Path) -
         store.close()
 
 
+async def test_a_block_still_being_written_is_read_from_its_payload(tmp_path: Path) -> None:
+    """A block whose write waits behind busy (or starved) background writers is a hit, from the
+    payload the write holds; the file comes once the write runs."""
+    store = BlockStore(tmp_path, FINGERPRINT, BLOCK_BYTES, io_threads=4, write_threads=1)
+    gate = threading.Event()
+    try:
+        store.writer.submit(gate.wait, 10)
+        store.submit_write(key(7), payload(7), "chat")
+        found = await store.load_chain([key(7), key(8)])
+        assert len(found) == 1 and torch.equal(found[0], payload(7))
+        assert not store.path(key(7)).exists() and store.counters.hits == 1
+        gate.set()
+        await store.flush()
+        assert store.path(key(7)).exists() and torch.equal(store.read(key(7)), payload(7))
+    finally:
+        gate.set()
+        store.close()
+
+
 async def test_a_block_counts_as_published_only_once_its_write_is(tmp_path: Path) -> None:
     """What a prefill node may name to a decode node: the leading blocks whose files are
     published, their writes waited for within the bound and no longer."""

@@ -136,7 +136,14 @@ class BlockStore:
     # ---- blocking I/O (store threads) ----------------------------------------------------
 
     def read(self, key: bytes) -> torch.Tensor | None:
-        """The block's payload (uint8, CPU), or None: missing, unreadable or untrustworthy."""
+        """The block's payload (uint8, CPU), or None: missing, unreadable or untrustworthy. A
+        block whose write is still queued or running comes from that write's payload (the
+        background writers may not have run yet on a node whose forward keeps the cores)."""
+        pending = self._pending_payload(key)
+        if pending is not None:
+            with self._lock:
+                self.counters.hits += 1
+            return pending.clone()
         path = self.path(key)
         size = HEADER_BYTES + self.block_bytes
         with self._mark_reading(str(path)):
@@ -311,6 +318,15 @@ class BlockStore:
             self._queued.pop(future, None)
             if self._pending_by_key.get(key) is future:
                 del self._pending_by_key[key]
+
+    def _pending_payload(self, key: bytes) -> torch.Tensor | None:
+        """The payload of `key`'s write not yet done (None: none pending, or not a block's)."""
+        with self._lock:
+            future = self._pending_by_key.get(key)
+            job = self._queued.get(future) if future is not None else None
+        if job is None or job[1].numel() != self.block_bytes:
+            return None
+        return job[1]
 
     def _hurry(self, futures: list[Future[bool]]) -> list[Future[bool]]:
         """Writes that someone now waits on: those not started yet move from the background
