@@ -55,6 +55,7 @@ class Result:
     samples: list[Sample] = field(default_factory=list)
     node_seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     roles: list[tuple[float, dict[str, str]]] = field(default_factory=list)  # (s, node -> role)
+    cpu: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (s, node -> CPU s)
     metrics: list[str] = field(default_factory=list)
 
 
@@ -114,8 +115,22 @@ async def one(http: aiohttp.ClientSession, router: str, prompt: int, out: int, s
     s.tpot_s = (last - first) / (tokens - 1) if tokens > 1 else 0.0
 
 
-async def poll_roles(http: aiohttp.ClientSession, router: str, res: Result, t0: float) -> None:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def poll_roles(
+    http: aiohttp.ClientSession, router: str, res: Result, t0: float, pids: dict[str, int]
+) -> None:
     while True:
+        res.cpu.append(
+            (round(time.monotonic() - t0, 1), {n: cpu_seconds(p) for n, p in pids.items()})
+        )
         try:
             async with http.get(router + "/cluster/v1/nodes") as r:
                 nodes = (await r.json())["data"]
@@ -130,13 +145,13 @@ async def poll_roles(http: aiohttp.ClientSession, router: str, res: Result, t0: 
         await asyncio.sleep(1.0)
 
 
-async def drive(router: str, args) -> Result:
+async def drive(router: str, args, pids: dict[str, int]) -> Result:
     res = Result()
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         await wait_nodes(http, router, 4, 600)
         t0 = time.monotonic()
-        poller = asyncio.create_task(poll_roles(http, router, res, t0))
+        poller = asyncio.create_task(poll_roles(http, router, res, t0, pids))
         tasks = []
         for k, (rate, prompt, out) in enumerate(phases(args)):
             for i in range(int(args.phase_s * rate)):
@@ -170,14 +185,16 @@ def node_args(model: Path, role: str, i: int, router: str, args) -> list[str]:
     ]  # fmt: skip
 
 
-def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
+def run(args, model: Path, tmp: Path, autoscale: bool, k: int) -> dict:
+    """Arm `k` (its logs: router-K-ARM.log, nI-K-ARM.log)."""
     ports = [free_port() for _ in range(5)]
     router = f"http://127.0.0.1:{ports[0]}"
     scale = ["--autoscale", "--autoscale-window-s", str(args.window_s),
              "--autoscale-ttft-p99-s", str(args.ttft_s), "--autoscale-tpot-p99-s", str(args.tpot_s),
              "--autoscale-node-dwell-s", str(args.node_dwell_s),
-             "--autoscale-global-dwell-s", str(args.global_dwell_s)] if autoscale else []  # fmt: skip
-    arm = "autoscale" if autoscale else "fixed"
+             "--autoscale-global-dwell-s", str(args.global_dwell_s),
+             "--autoscale-queue-per-node", str(args.queue_per_node)] if autoscale else []  # fmt: skip
+    arm = f"{k}-{'autoscale' if autoscale else 'fixed'}"
     router_args = ["--role", "router", "--log-format", "json", "--lease-s", str(args.lease_s)]
     procs = [spawn(ports[0], [*router_args, *scale],
                    tmp / f"router-{arm}.log")]  # fmt: skip
@@ -192,7 +209,8 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
         )  # fmt: skip
     load = os.getloadavg()[0]
     try:
-        res = asyncio.run(drive(router, args))
+        pids = {f"n{i}": p.pid for i, p in enumerate(procs[1:], 1)}
+        res = asyncio.run(drive(router, args, pids))
         load = max(load, os.getloadavg()[0])
     finally:
         for p in procs:
@@ -210,7 +228,7 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
     log = (tmp / f"router-{arm}.log").read_text().splitlines()
     events = [json.loads(line) for line in log if '"autoscale_' in line]
     return {
-        "arm": arm,
+        "arm": arm.split("-", 1)[1],
         "load_1m_at_end": round(load, 2),
         **summary(res.samples, args),
         "by_phase": [
@@ -219,6 +237,7 @@ def run(args, model: Path, tmp: Path, autoscale: bool) -> dict:
         ],
         "node_seconds": res.node_seconds,
         "roles": res.roles,
+        "cpu_share_by_phase": cpu_shares(res.cpu, args),
         "throttled_s": throttled,
         "moves": [e for e in events if e.get("event") == "autoscale_moved"],
         "failed_moves": [e for e in events if e.get("event") == "autoscale_move_failed"],
@@ -282,6 +301,21 @@ def summary(samples: list[Sample], args) -> dict:
     }
 
 
+def cpu_shares(cpu: list[tuple[float, dict[str, float]]], args) -> list[dict[str, float]]:
+    """Each node's CPU time in each phase over what its quota (or one core) allowed: 1.0 is a
+    node that was busy for the whole phase, whatever its role."""
+    cores = args.node_cpus or 1.0
+    out = []
+    for k in range(len(phases(args))):
+        inside = [(t, c) for t, c in cpu if k * args.phase_s <= t <= (k + 1) * args.phase_s]
+        if len(inside) < 2:
+            out.append({})
+            continue
+        (t0, c0), (t1, c1) = inside[0], inside[-1]
+        out.append({n: round((c1[n] - c0[n]) / (t1 - t0) / cores, 2) for n in c0})
+    return out
+
+
 def phases(args) -> list[tuple[float, int, int]]:
     """(rate, prompt tokens, output tokens) of each phase."""
     return [
@@ -306,6 +340,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--window-s", type=float, default=5.0)
     p.add_argument("--node-dwell-s", type=float, default=10.0)
     p.add_argument("--global-dwell-s", type=float, default=5.0)
+    p.add_argument(
+        "--queue-per-node", type=float, default=8.0,
+        help="requests queued a node counted as at target (the router's --autoscale-queue-per-node)",
+    )  # fmt: skip
     p.add_argument("--node-cpus", type=float, default=0.0, help="a CPU quota per node (0: none)")
     p.add_argument("--kv-gb", type=float, default=0.05, help="KV memory per node")
     # a node starved of CPU by a loaded machine still keeps its lease (heartbeats every third)
@@ -330,6 +368,10 @@ def parser() -> argparse.ArgumentParser:
         help="and per prompt token of the leg that takes a request in",
     )  # fmt: skip
     p.add_argument(
+        "--sim-stream-ms-per-token", type=float, default=0.0,
+        help="and per output token a decode node streams (detokenizing, the event's write)",
+    )  # fmt: skip
+    p.add_argument(
         "--sim-profile", action="store_true",
         help="profile the bench's model as a node runs it (its quota), then simulate with that",
     )  # fmt: skip
@@ -347,9 +389,11 @@ def main() -> None:
     )  # fmt: skip
     model = make_checkpoint(spec, tmp / "model")
     out: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
-    for arm in args.arms:
-        r = run(args, model, tmp, arm == "autoscale")
+    for k, arm in enumerate(args.arms, 1):
+        r = run(args, model, tmp, arm == "autoscale", k)
         out["runs"].append(r)
+        if args.json:  # each arm as it ends: a run stopped early keeps what it measured
+            args.json.write_text(json.dumps(out, indent=2))
         phase = " | ".join(
             f"{100 * b['slo_attainment']:.0f} % (TTFT p99 {b['ttft_p99_s']:.2f}, "
             f"TPOT p99 {b['tpot_p99_s']:.3f})"
@@ -358,7 +402,8 @@ def main() -> None:
         print(
             f"{arm}: {r['finished']} done, {r['failed']} failed, SLO attainment "
             f"{100 * r['slo_attainment']:.1f} % [{phase}], node-seconds {r['node_seconds']}, "
-            f"moves {[(m['node_id'], m['role']) for m in r['moves']]}, load {r['load_1m_at_end']}"
+            f"moves {[(m['node_id'], m['role']) for m in r['moves']]}, load {r['load_1m_at_end']}, "
+            f"CPU share by phase {r['cpu_share_by_phase']}"
         )
     table = args.sim_table
     if args.sim_profile:

@@ -79,13 +79,14 @@ def shift(args: argparse.Namespace, table_path: Path) -> list[dict]:
             trace.append(TraceRequest(k * args.phase_s + i / rate, prompt, out, blocks))
     t = Targets(
         ttft_p99_s=args.ttft_s, tpot_p99_s=args.tpot_s, node_dwell_s=args.node_dwell_s,
-        global_dwell_s=args.global_dwell_s,
+        global_dwell_s=args.global_dwell_s, queue_per_node=args.queue_per_node,
     )  # fmt: skip
     node = NodeConfig(args.kv_gb * GB, 0, args.max_num_seqs, args.max_num_batched_tokens)
     cfg = PDConfig(
         2, 2, node, window_s=args.window_s, handoff_min_tokens=args.handoff_min_tokens,
         request_s=args.sim_request_ms / 1000,
         request_s_per_token=args.sim_request_ms_per_token / 1000,
+        stream_s_per_token=args.sim_stream_ms_per_token / 1000,
     )  # fmt: skip
     return compare(CostTable.load(table_path), trace, cfg, t, args.phase_s)
 

@@ -123,7 +123,7 @@ def test_stream_timing_counts_output_events_only():
 def test_window_inputs_from_heartbeats():
     peers, slo = PeerSet(clock=lambda: 0.0), SloWindow(10)
     info = dict(fingerprint="f", url="http://h:1", epoch=1, served_model="m")
-    peers.upsert(NodeInfo("p0", "prefill", **info, load={"waiting": 3}), 5)
+    peers.upsert(NodeInfo("p0", "prefill", **info, load={"waiting": 3, "running": 2}), 5)
     peers.upsert(NodeInfo("d0", "decode", **info, capacity={"kv_blocks": 100},
                           load={"kv_blocks_free": 25, "waiting": 1, "running": 4}), 5)  # fmt: skip
     peers.upsert(NodeInfo("d1", "decode", **info, capacity={"kv_blocks": 100},
@@ -132,7 +132,9 @@ def test_window_inputs_from_heartbeats():
     w = window_inputs(peers, slo, 1.0)
     assert (w.ttft_p99_s, w.tpot_p99_s, w.samples) == (1.5, 0.05, 1)
     assert w.decode_kv_util == 0.75  # the draining node is left out
-    assert (w.prefill_queue, w.decode_queue, w.count("decode")) == (3, 1, 1)
+    # a prefill node's running prompts are queued too (none has its first token); a decode
+    # node's running requests are streaming
+    assert (w.prefill_queue, w.decode_queue, w.count("decode")) == (5, 1, 1)
     assert w.nodes[1] == NodeLoad("d0", "decode", running=4, waiting=1)
 
 
@@ -152,3 +154,17 @@ def test_when_both_sides_are_late_an_idle_prefill_queue_gives_a_node_to_decode()
     few = window(ttft=16.0, kv=0.98, pq=4, ns=nodes(prefill=3, decode=1))
     assert a.decide(few).reason.startswith("both sides")
     assert a.decide(window(ttft=4.0, tpot=0.3, pq=40, dq=40)).reason.startswith("both sides")
+
+
+def test_when_both_sides_are_late_a_decode_backlog_beside_a_short_prefill_queue_gives_a_node():
+    # after a shift to short prompts and long outputs the window's TTFTs are still the prefill
+    # backlog's; the queues say where the requests wait now (measured: 1 prefill and 81
+    # decode requests waiting on 3 + 1 nodes while both pressures were over 4)
+    a = Autoscaler(T)
+    late = window(ttft=24.0, tpot=0.1, pq=1, dq=81, ns=nodes(prefill=3, decode=1))
+    assert a.decide(late).kind == "prefill_to_decode"
+    # 8 waiting over 3 prefill nodes is 0.33 of the target a node, under `down`
+    assert a.decide(window(ttft=15.0, tpot=0.4, pq=8, dq=33, ns=nodes(3, 1))).node_id == "p0"
+    # the decode queue under target (8 a node) or the prefill one not under `down`: both short
+    assert a.decide(window(ttft=15.0, tpot=0.4, pq=1, dq=7, ns=nodes(3, 1))).kind == "hold"
+    assert a.decide(window(ttft=15.0, tpot=0.4, pq=15, dq=81, ns=nodes(3, 1))).kind == "hold"

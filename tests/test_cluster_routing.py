@@ -74,6 +74,17 @@ def test_a_prefill_node_is_picked_by_its_prefix_then_by_load() -> None:
     assert r.pick_prefill("other-fp", KEYS) is None
 
 
+def test_prefill_routes_since_a_heartbeat_count_as_load_until_the_next_one() -> None:
+    # heartbeats come every few seconds: between two, the node that looked idle at the last
+    # one must not take every prompt (measured: 8 waiting on one node, the other idle)
+    r = _router(_node("p1", "prefill"), _node("p2", "prefill", running=2))
+    picks = [r.pick_prefill("fp", [bytes([i]) * 16]).node.node_id for i in range(6)]
+    assert picks == ["p1", "p1", "p2", "p1", "p2", "p1"]
+    assert r.peers.renew("p1", {"running": 1})  # p1's new load holds what it was sent
+    assert r.pick_prefill("fp", [bytes([9]) * 16]).node.node_id == "p1"  # 1 + 0 against 2 + 2
+    assert r.peers.beat("nope") is None
+
+
 def test_a_prefix_goes_where_it_was_sent_even_to_a_busier_node() -> None:
     r = _router(_node("p1", "prefill"), _node("p2", "prefill"))
     r.index.add("p1", KEYS[:3])

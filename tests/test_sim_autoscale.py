@@ -122,3 +122,16 @@ def test_the_front_per_token_is_paid_by_the_leg_that_takes_the_request_in() -> N
     assert plain.first_token_s is not None and paid.first_token_s is not None
     # 2.048 s on the prefill node; the decode leg (a handoff) pays none
     assert paid.first_token_s - plain.first_token_s == pytest.approx(2.048, abs=0.05)
+
+
+def test_a_decode_node_pays_for_each_token_it_streams() -> None:
+    # one request, 64 output tokens: each step's token is streamed with the next run, so the
+    # request ends ~63 x 10 ms later (its last token's stream is not waited for)
+    one = [TraceRequest(0.0, 16, 64, (0,))]
+    cfg = PDConfig(1, 1, NODE, handoff_min_tokens=64)
+    plain = simulate_pd(table(), one, cfg).records[0]
+    cfg.stream_s_per_token = 0.01
+    paid = simulate_pd(table(), one, cfg).records[0]
+    assert plain.finish_s is not None and paid.finish_s is not None
+    assert paid.finish_s - plain.finish_s == pytest.approx(0.63, abs=0.02)
+    assert paid.first_token_s == pytest.approx(plain.first_token_s)

@@ -4,6 +4,7 @@ simulator run this same code."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -54,7 +55,7 @@ class WindowInputs:
     ttft_p99_s: float | None
     tpot_p99_s: float | None
     decode_kv_util: float | None  # used / total KV blocks over the decode nodes
-    prefill_queue: int  # waiting requests over the prefill nodes
+    prefill_queue: int  # `queued` over the prefill nodes
     decode_queue: int
     nodes: tuple[NodeLoad, ...]
     samples: int = 0  # requests measured in the window
@@ -86,8 +87,15 @@ class Decision:
         }
 
 
+def queued(nodes: Iterable[NodeLoad], role: Literal["prefill", "decode"]) -> int:
+    """A side's queue: the requests it holds that it has not served. On a prefill node that is
+    every one (its running prompts share its steps, chunk by chunk: none has its first token
+    yet), on a decode node the waiting ones (a running one is streaming)."""
+    return sum(n.waiting + (n.running if role == "prefill" else 0) for n in nodes if n.role == role)
+
+
 def queue_pressures(inputs: WindowInputs, t: Targets) -> tuple[float, float]:
-    """(prefill, decode): waiting requests per node against `queue_per_node`."""
+    """(prefill, decode): `queued` requests per node against `queue_per_node`."""
     n_prefill, n_decode = max(inputs.count("prefill"), 1), max(inputs.count("decode"), 1)
     return (
         inputs.prefill_queue / n_prefill / t.queue_per_node,
@@ -129,11 +137,14 @@ class Autoscaler:
             kind = "decode_to_prefill"
         elif prefill > t.up and decode > t.up:
             # a TTFT counts the wait for a decode slot or KV too (a request waiting on a full
-            # decode node is late on both sides); the decode signals are the decode side's
-            # own. So with nothing queued on the prefill nodes the decode side is the one
-            # short. (Any queue there: both are; a measured run flapped when a few per node
-            # counted as none.)
-            if inputs.prefill_queue == 0:
+            # decode node is late on both sides), and it lags: a window's TTFTs are of requests
+            # that waited through the last ones. The queues are each side's own, and now. So
+            # the decode side is the one short with nothing queued on the prefill nodes, or
+            # with its own queue over target and the prefill one under `down`. (A few queued
+            # on the prefill side and none on the decode side: both are short; a measured run
+            # flapped when that counted as the decode side's.)
+            queued_prefill, queued_decode = queue_pressures(inputs, t)
+            if inputs.prefill_queue == 0 or (queued_decode > t.up and queued_prefill < t.down):
                 kind = "prefill_to_decode"
             else:
                 return hold("both sides over target: no headroom to move")

@@ -3,6 +3,7 @@ heartbeat renews; an entry whose lease lapsed is gone. Time comes from an inject
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ class _Entry:
     info: NodeInfo
     ttl_s: float
     expires: float
+    beat: int  # which registration or heartbeat gave its load (rises with each)
 
 
 class PeerSet:
@@ -23,6 +25,7 @@ class PeerSet:
         self._entries: dict[str, _Entry] = {}
         # nodes whose lease lapsed (not those that left), and when: a starved node comes back
         self._lapsed: dict[str, tuple[NodeInfo, float]] = {}
+        self._beats = itertools.count(1)
 
     def upsert(self, info: NodeInfo, ttl_s: float) -> None:
         """Registers (or replaces) a node; its lease runs `ttl_s` from now. A registration
@@ -33,7 +36,7 @@ class PeerSet:
         old = self._live_entry(info.node_id, now)
         if old is not None and info.epoch < old.info.epoch:
             return
-        self._entries[info.node_id] = _Entry(info, ttl_s, now + ttl_s)
+        self._entries[info.node_id] = _Entry(info, ttl_s, now + ttl_s, next(self._beats))
         self._lapsed.pop(info.node_id, None)
 
     def renew(self, node_id: str, load: dict[str, int]) -> bool:
@@ -45,7 +48,14 @@ class PeerSet:
             return False
         entry.info = replace(entry.info, load=dict(load))
         entry.expires = now + entry.ttl_s
+        entry.beat = next(self._beats)
         return True
+
+    def beat(self, node_id: str) -> int | None:
+        """Which load report a node's entry holds: it changes with each heartbeat (None: not
+        in the set). What was sent to the node since is not in that load yet."""
+        entry = self._entries.get(node_id)
+        return entry.beat if entry is not None else None
 
     def remove(self, node_id: str) -> None:
         self._entries.pop(node_id, None)

@@ -62,6 +62,8 @@ class Router:
         # requests this router has open on each node (its own view; loads come by heartbeat)
         self.in_flight: Counter[str] = Counter()
         self._routed: Counter[str] = Counter()  # prefill routes, a tie-breaker
+        # prefill routes to each node since the heartbeat its load came with: (beat, routes)
+        self._unreported: dict[str, tuple[int | None, int]] = {}
         self.moving: set[str] = set()  # nodes this router's autoscaler is changing the role of
 
     def _open(self, n: NodeInfo) -> bool:
@@ -103,7 +105,12 @@ class Router:
         if not nodes:
             return None
         matched = {n.node_id: self.index.match(n.node_id, keys) for n in nodes}
-        loads = {n.node_id: n.load.get("running", 0) + n.load.get("waiting", 0) for n in nodes}
+        # a heartbeat's load plus what was sent since: between two heartbeats (seconds) every
+        # prompt would otherwise go to the node that looked least loaded at the last one
+        loads = {
+            n.node_id: n.load.get("running", 0) + n.load.get("waiting", 0) + self._since(n.node_id)
+            for n in nodes
+        }
         least = min(loads.values())
 
         def rank(n: NodeInfo) -> tuple[int, int, int, str]:
@@ -114,4 +121,12 @@ class Router:
         node = min(nodes, key=rank)
         self.index.add(node.node_id, keys)
         self._routed[node.node_id] += 1
+        self._unreported[node.node_id] = (
+            self.peers.beat(node.node_id), self._since(node.node_id) + 1
+        )  # fmt: skip
         return PrefillRoute(node, matched[node.node_id])
+
+    def _since(self, node_id: str) -> int:
+        """Prefill routes to `node_id` that its last heartbeat's load does not count."""
+        beat, routes = self._unreported.get(node_id, (None, 0))
+        return routes if beat == self.peers.beat(node_id) else 0

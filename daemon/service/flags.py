@@ -235,7 +235,8 @@ _AUTOSCALE_HELP = {
     "ttft_p99_s": "the p99 TTFT target (drives prefill capacity)",
     "tpot_p99_s": "the p99 TPOT target (drives decode capacity, with KV utilisation)",
     "kv_util": "decode KV utilisation counted as at target",
-    "queue_per_node": "waiting requests per node counted as at target",
+    "queue_per_node": "queued requests per node counted as at target (a prefill node's running "
+    "prompts count too: none has its first token yet)",
     "up": "pressure (measured / target) above which a side needs a node",
     "down": "pressure below which a side can give a node (the hysteresis band's floor)",
     "node_dwell_s": "a node that moved keeps its new role at least this long",

@@ -46,9 +46,10 @@ class Transfer:
     """A KV handoff's copy on a node's device thread: the prefill node's export (device to
     host) or the decode node's import. As the engine does (loop/transfer.py), it runs with the
     node's next run, before that run's forward, and is done only when the whole run ends.
-    ("front": a request's HTTP front on a node whose cores it shares, sim/pd.py.)"""
+    ("front": a request's HTTP front on a node whose cores it shares, "stream": the tokens a
+    step gave streamed out the same way; sim/pd.py.)"""
 
-    kind: Literal["export", "import", "front"]
+    kind: Literal["export", "import", "front", "stream"]
     job: object  # the cluster's, given back when the run ends
     seconds: float
 

@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from daemon.cluster.autoscale import Autoscaler, Decision, NodeLoad, Targets, WindowInputs
+from daemon.cluster.autoscale import (
+    Autoscaler,
+    Decision,
+    NodeLoad,
+    Targets,
+    WindowInputs,
+    queued,
+)
 from daemon.cluster.slo_window import SloWindow
 from daemon.kv.request_state import PrefixState
 from daemon.loop.request import Request, SamplingParams
@@ -40,9 +47,11 @@ class PDConfig:
     # a node's HTTP front: seconds of the node's own time per request leg (parsing,
     # tokenizing, the handoff's calls) before its scheduler has it, taken with the node's next
     # run: on a node of a few cores the event loop and the forward share them; and per prompt
-    # token of the leg that takes the request in (tokenizing, the KV export it leads to)
+    # token of the leg that takes the request in (tokenizing, the KV export it leads to); and
+    # per output token a decode node streams (detokenizing, the event's JSON and write)
     request_s: float = 0.0
     request_s_per_token: float = 0.0
+    stream_s_per_token: float = 0.0
 
 
 @dataclass
@@ -102,9 +111,6 @@ class _Cluster:
         blocks = sum(u.num_blocks for u in usage)
         free = sum(u.num_free for u in usage)
 
-        def waiting(role: PDRole) -> int:
-            return sum(len(self.nodes[i].scheduler.waiting) for i in self.open_nodes(role))
-
         loads = tuple(
             NodeLoad(
                 str(i),
@@ -117,8 +123,9 @@ class _Cluster:
         )
         util = 1 - free / blocks if blocks else None
         return WindowInputs(
-            now, ttft, tpot, util, waiting("prefill"), waiting("decode"), loads, samples
-        )
+            now, ttft, tpot, util, queued(loads, "prefill"), queued(loads, "decode"), loads,
+            samples,
+        )  # fmt: skip
 
     def switch_drained(self, now: float, policy: Autoscaler, moves: list[RoleMove]) -> None:
         for i, (role, decided, decision) in list(self.draining.items()):
@@ -228,7 +235,13 @@ def simulate_pd(table: CostTable, trace: list[TraceRequest], cfg: PDConfig) -> P
             assert isinstance(what, int)
             finished, carried = c.nodes[what].finish_step()
             for t in carried:  # fronts done: their requests reach the scheduler
-                fronted(what, *t.job)  # type: ignore[misc]
+                if t.kind == "front":
+                    fronted(what, *t.job)  # type: ignore[misc]
+            streamed = sum(legs[req.request_id][2] for req, _ in finished)
+            if cfg.stream_s_per_token > 0 and streamed:  # paid with the node's next run
+                c.nodes[what].transfers.append(
+                    Transfer("stream", None, cfg.stream_s_per_token * streamed)
+                )
             for req, done in finished:
                 _, rec, decode = legs[req.request_id]
                 if decode and rec.first_token_s is None:
