@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -158,6 +159,8 @@ def _start(
     store = plan.out / f"kv-store-{arm}-r{rep}" if plan.kv_store else None
     flags = plan.server_args + arm_flags(plan, arm)
     spec = deepinfer_launch(plan.model, port, plan.dtype, flags, store)
+    if store is not None:  # scratch, removed once its server stops (a grid's ran to 13 GB)
+        stack.callback(shutil.rmtree, store, True)
     server = stack.enter_context(Server(spec, port, plan.out / f"{arm}-r{rep}.log"))
     ready_s = server.wait_ready(plan.ready_timeout_s)
     started.append(

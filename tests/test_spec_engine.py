@@ -105,6 +105,37 @@ async def test_greedy_equals_no_speculation_beside_plain_requests(checkpoint, pr
     assert all(t - s - d >= 0 for t, s, d, _ in spec.policy.steps)
 
 
+async def test_greedy_verify_steps_take_the_argmax_of_the_bf16_logits(checkpoint, prompts):
+    """Greedy verifies, with nothing else on the logits, skip the fp32 copy of the logits (9
+    rows of the whole vocabulary a sequence); asked for logprobs (fp32 logits), they take the
+    same tokens. (Against no speculation bf16 may differ: its rows are computed in batches of
+    other shapes.)"""
+    engine = await started(checkpoint, dtype="bfloat16")
+    model, upcasts = engine.runner.model, []
+    compute = model.compute_logits
+
+    def spy(hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        upcasts.append(upcast)
+        return compute(hidden, upcast)
+
+    model.compute_logits = spy
+    logged = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    try:
+        plain = await run_all(engine, prompts, [GREEDY] * len(prompts))
+        drafter = OracleDrafter({tuple(p): tokens(o) for p, o in zip(prompts, plain)}, VOCAB, 4)
+        speculate(engine, drafter)
+        upcasts.clear()
+        drafted = await run_all(engine, prompts, [GREEDY] * len(prompts))
+        assert drafter.observed and upcasts and not any(upcasts)
+        upcasts.clear()
+        with_logprobs = await run_all(engine, prompts, [logged] * len(prompts))
+        assert upcasts and all(upcasts)
+    finally:
+        await engine.stop()
+    assert [tokens(o) for o in drafted] == [tokens(o) for o in with_logprobs]
+    assert any(a < v for v, a in drafter.observed)  # rejections decided on bf16 rows too
+
+
 async def test_stops_and_max_tokens_inside_a_multi_token_step(checkpoint, prompts):
     engine = await started(checkpoint)
     prompt = prompts[1]

@@ -4,8 +4,9 @@ of a step between batch sizes on either side of a power of two (what sitting out
 with prefill chunks fitted apart (their drafts' slope recovered though the chunks shrink as
 drafts grow), steps priced at their context, old steps forgotten, the adaptive policy drafting less once the measured cost of
 a draft is higher, with chunks in every step or none, a level error of the table (every step
-dearer than profiled) kept off the drafts' price where the budget stays near its mean, and a
-step that verifies at all charged its own cost beside each draft row's."""
+dearer than profiled) kept off the drafts' price where the budget stays near its mean, a
+step that verifies at all charged its own cost beside each draft row's, and one step far
+above its price (the machine busy elsewhere) not taken at its word."""
 
 from __future__ import annotations
 
@@ -297,3 +298,20 @@ def test_a_step_that_verifies_is_charged_its_own_cost() -> None:
     assert policy.choose([Candidate("one", [0.9] * 5, 1)], 32, 32) == [0]
     many = [Candidate(f"r{i}", [0.9] * 5, 1) for i in range(8)]
     assert policy.choose(many, 32, 32) == [1] * 8
+
+
+def test_one_step_far_above_its_price_does_not_make_drafts_dear() -> None:
+    """A verify step that took twice its price (the machine busy elsewhere) moves the fit as
+    one 25 % off would: drafts that paid before it still pay, and the steps after it teach
+    the price back."""
+    policy = build_policy("adaptive", 5, table())
+    assert isinstance(policy, AdaptivePolicy)
+    candidates = [Candidate(f"r{i}", [0.97] * 5, 5) for i in range(64)]
+    for _ in range(100):
+        policy.observe_step(64, 64, 0, true_seconds(64))
+    assert sum(policy.choose(candidates, 64, 64)) > 0
+    policy.observe_step(175, 64, 111, 2 * true_seconds(175))
+    assert sum(policy.choose(candidates, 64, 64)) > 0
+    for _ in range(20):
+        policy.observe_step(175, 64, 111, true_seconds(175))
+    assert abs(policy.cost.seconds(175, 64, 111) - true_seconds(175)) < 0.01

@@ -2,7 +2,9 @@
 
 A freed block keeps its content: while it sits in the free list it can be taken
 back (a prefix-cache hit). Allocation takes the least recently freed block first
-and tells `on_reuse` (given at construction) so the prefix index forgets it.
+and tells `on_reuse` (given at construction) so the prefix index forgets it; one
+allocation's blocks go out ascending (a request frees its tail first, so they come back
+descending, and the CPU's paged attention reads a descending table ~30 % slower).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class BlockPool:
                 self._on_reuse(block)
             self.ref_counts[block] = 1
             blocks.append(block)
+        blocks.sort()  # forward in memory, as the prefetchers read (see the module)
         return blocks
 
     def take(self, block: int) -> None:

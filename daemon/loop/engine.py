@@ -541,6 +541,7 @@ class Engine:
                     for transfer in done.transfers:
                         transfer.settle()
                     if done.step is not None:
+                        self._traced(done, result.seconds)
                         self._timed(done.step, done.prepare_seconds + result.seconds)
                         self._process(done.step, result)
                 elif not inflight:
@@ -610,6 +611,22 @@ class Engine:
             elif drafted is not None:
                 self._drafted(req, drafted)
         self._wakeup.set()
+
+    def _traced(self, done: Inflight, execute: float) -> None:
+        """Each step's shape and time, at debug level (the logger drops it below)."""
+        assert done.step is not None
+        seqs = done.step.seqs
+        log.debug(
+            "step",
+            seqs=len(seqs),
+            tokens=sum(s.num_tokens for s in seqs),
+            chunk_tokens=sum(s.num_tokens for s in seqs if s.order == 2),
+            drafts=sum(len(s.draft) for s in seqs),
+            block_saves=sum(len(b.blocks) for b in done.ops.block_saves),
+            block_loads=sum(len(b.blocks) for b in done.ops.block_loads),
+            prepare_ms=round(done.prepare_seconds * 1e3, 2),
+            execute_ms=round(execute * 1e3, 2),
+        )
 
     def _timed(self, step: SchedulerStep, seconds: float) -> None:
         """A step's measured time, for the speculator's cost: its draft rows apart from its

@@ -679,7 +679,11 @@ class ModelRunner:
         dev = self.device
         rows = vr.rows.to(dev, non_blocking=True)
         sb = vr.sampling.to(dev)
-        out = verify(logits[rows], vr.drafts, vr.draft_probs, sb, self.generator)
+        first, n = int(vr.rows[0]), vr.rows.numel()
+        # the verify rows follow the decodes' in one run: a view, not a copy of the rows
+        contiguous = int(vr.rows[-1]) - first + 1 == n
+        mine = logits.narrow(0, first, n) if contiguous else logits.index_select(0, rows)
+        out = verify(mine, vr.drafts, vr.draft_probs, sb, self.generator)
         last = torch.tensor([t[-1] for t in out.tokens], dtype=torch.long)
         self.last_tokens[vr.slots.to(dev, non_blocking=True)] = last.to(dev, non_blocking=True)
         slots = vr.slots.tolist()
@@ -833,12 +837,13 @@ def _prompt_entries(
 
 def _plain_greedy(step: PreparedStep, sb: SamplingBatch | None, vr: VerifyRows | None) -> bool:
     """Whether every row of the step takes its argmax and nothing else reads or writes the
-    logits: no verify, no draft passes, no penalties, bias, grammar or logprobs."""
+    logits: greedy verifies (their drafts accepted while the argmax agrees) but no draft
+    passes, no penalties, bias, grammar or logprobs."""
+    batches = [b for b in (sb, vr.sampling if vr is not None else None) if b is not None]
     return (
-        sb is not None
-        and sb.all_greedy
-        and sb.max_logprobs is None
-        and vr is None
+        bool(batches)
+        and all(b.all_greedy and b.max_logprobs is None for b in batches)
+        and (vr is None or not vr.penalized)
         and step.drafting is None
         and not step.penalty_rows
         and step.logit_bias is None

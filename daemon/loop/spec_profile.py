@@ -64,10 +64,11 @@ def profile(
     generator_state = runner.generator.get_state()
     previous_threads = torch.get_num_threads()
     started = time.perf_counter()
-    reqs = [
-        Request(PROFILE_ID.format(i), [], SamplingParams(max_tokens=1 << 20))
-        for i in range(max_num_seqs)
-    ]
+    # greedy rows: a verify then costs its forward and an argmax a row; sampled rows cost
+    # more (SmolLM2 on 2 cores: ~0.25 ms a row of its 49K vocabulary), which the policy's
+    # online correction takes from the steps it measures
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0)
+    reqs = [Request(PROFILE_ID.format(i), [], params) for i in range(max_num_seqs)]
     try:
         drafts = k if runner.drafting is not None else 0
         points = _plan(kv, reqs, max_num_seqs, max_num_batched_tokens, k, drafts)

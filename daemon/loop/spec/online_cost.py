@@ -21,6 +21,12 @@ MEMORY = 0.98  # weight an observation keeps per later one in its fit: about the
 RIDGE = (2.0, 2.0 * 8.0**2, 2.0 * 64.0**2, 0.5)
 FEATURES = len(RIDGE)  # (1, draft tokens, chunk tokens, 1 if the step verifies any draft)
 FLOOR = 0.25  # a corrected cost never falls below this share of the table's
+# a step's time is taken within this share of its current price: a step slowed by other work
+# on the machine (the store's writers after a wave of prefills, a burst of HTTP) moves the fit
+# as one this far off would. One step twice its price at 32 sequences (163 ms, its 111 drafts
+# priced 82) made every later draft there look dearer than a decode row, and a policy that
+# declines them measures no more; a price that is truly off is reached over a few steps.
+CLIP = 0.25
 
 
 @dataclass
@@ -133,10 +139,13 @@ class MeasuredCost:
         """A step of `num_tokens` rows over `num_seqs` sequences, `num_drafts` of them draft
         (verify) rows, the rest beyond one per sequence prefill chunks' tokens, took `seconds`
         (host preparation and the device's step, as the table measured); its decode and draft
-        rows attended `context` positions on average (None: as the table's)."""
+        rows attended `context` positions on average (None: as the table's). Taken within
+        CLIP of the step's current price."""
         chunk = num_tokens - num_seqs - num_drafts
         if num_seqs < 1 or num_drafts < 0 or chunk < 0 or not seconds > 0:
             return
+        price = self.seconds(num_tokens, num_seqs, num_drafts, context)
+        seconds = min(max(seconds, price * (1.0 - CLIP)), price * (1.0 + CLIP))
         residual = seconds - self.table.seconds(num_tokens, num_seqs, num_drafts, context)
         for anchor, share in _anchors(num_seqs):
             fit = self._fits.setdefault((anchor, chunk > 0), _Fit())
