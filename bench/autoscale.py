@@ -194,7 +194,8 @@ def run(args, model: Path, tmp: Path, autoscale: bool, k: int) -> dict:
              "--autoscale-node-dwell-s", str(args.node_dwell_s),
              "--autoscale-global-dwell-s", str(args.global_dwell_s),
              "--autoscale-queue-per-node", str(args.queue_per_node)] if autoscale else []  # fmt: skip
-    arm = f"{k}-{'autoscale' if autoscale else 'fixed'}"
+    kind = "autoscale" if autoscale else "fixed"
+    arm = f"{k}-{kind}"
     router_args = ["--role", "router", "--log-format", "json", "--lease-s", str(args.lease_s)]
     procs = [spawn(ports[0], [*router_args, *scale],
                    tmp / f"router-{arm}.log")]  # fmt: skip
@@ -228,7 +229,7 @@ def run(args, model: Path, tmp: Path, autoscale: bool, k: int) -> dict:
     log = (tmp / f"router-{arm}.log").read_text().splitlines()
     events = [json.loads(line) for line in log if '"autoscale_' in line]
     return {
-        "arm": arm.split("-", 1)[1],
+        "arm": kind,
         "load_1m_at_end": round(load, 2),
         **summary(res.samples, args),
         "by_phase": [

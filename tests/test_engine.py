@@ -4,9 +4,12 @@ preemption, overlap, seeds, stop strings, logprobs and aborts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 from transformers import GenerationConfig
 
@@ -109,6 +112,27 @@ async def test_greedy_steps_skip_the_fp32_logits_and_keep_their_tokens(checkpoin
     finally:
         await engine.stop()
     assert [tokens(o) for o in plain] == [tokens(o) for o in with_logprobs]
+
+
+async def test_each_step_is_logged_with_its_shape_at_debug_level(checkpoint, prompts):
+    """`--log-level debug`: a `step` line per engine step, its sequences, tokens, chunk
+    tokens and milliseconds; at info, none."""
+    engine, config = await started(checkpoint), structlog.get_config()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+            await collect(engine, prompts[0], GREEDY)
+            assert not [e for e in logs if e["event"] == "step"]
+            structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+            await collect(engine, prompts[0], GREEDY)
+    finally:
+        structlog.configure(**config)
+        await engine.stop()
+    steps = [e for e in logs if e["event"] == "step"]
+    assert len(steps) >= MAX_TOKENS  # the prompt's chunk(s), then a decode a token
+    assert steps[0]["chunk_tokens"] == len(prompts[0]) and steps[0]["seqs"] == 1
+    assert all(e["execute_ms"] > 0 and e["drafts"] == 0 for e in steps)
+    assert steps[-1]["tokens"] == 1 and steps[-1]["chunk_tokens"] == 0
 
 
 async def test_waiting_for_each_launch_keeps_outputs(checkpoint, prompts, reference_outputs):

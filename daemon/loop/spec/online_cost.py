@@ -118,7 +118,10 @@ class MeasuredCost:
         self, num_tokens: int, num_seqs: int, num_drafts: int = 0, context: float | None = None
     ) -> float:
         base = self.table.seconds(num_tokens, num_seqs, num_drafts, context)
-        chunk = num_tokens - num_seqs - num_drafts
+        return self._corrected(base, num_seqs, num_drafts, num_tokens - num_seqs - num_drafts)
+
+    def _corrected(self, base: float, num_seqs: int, num_drafts: int, chunk: int) -> float:
+        """The table's `base` seconds of a step plus the fits' correction at its batch size."""
         correction = 0.0
         for anchor, share in _anchors(num_seqs):
             fit = self._fits.get((anchor, chunk > 0))
@@ -144,9 +147,9 @@ class MeasuredCost:
         chunk = num_tokens - num_seqs - num_drafts
         if num_seqs < 1 or num_drafts < 0 or chunk < 0 or not seconds > 0:
             return
-        price = self.seconds(num_tokens, num_seqs, num_drafts, context)
-        seconds = min(max(seconds, price * (1.0 - CLIP)), price * (1.0 + CLIP))
-        residual = seconds - self.table.seconds(num_tokens, num_seqs, num_drafts, context)
+        base = self.table.seconds(num_tokens, num_seqs, num_drafts, context)
+        price = self._corrected(base, num_seqs, num_drafts, chunk)
+        residual = min(max(seconds, price * (1.0 - CLIP)), price * (1.0 + CLIP)) - base
         for anchor, share in _anchors(num_seqs):
             fit = self._fits.setdefault((anchor, chunk > 0), _Fit())
             fit.add(float(num_drafts), float(chunk), residual, self.memory, share)
