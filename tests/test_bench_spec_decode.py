@@ -195,8 +195,13 @@ def test_ratios_against_the_targets() -> None:
     assert v.adaptive_vs_fixed_mean == pytest.approx((16 / 14 + 60 / 55 + 1.0 + 49 / 40) / 4)
     assert v.adaptive_vs_none_min == pytest.approx(0.98) and v.adaptive_vs_none_min_at == "chat c8"
     assert v.edit_c1_vs_none == pytest.approx(1.6)
+    # every repeat scaled the arms alike: each repeat's ratio is the ratio of the medians
+    assert by[("edit", 1, "adaptive")].vs_none_paired == pytest.approx(1.6)
+    assert by[("chat", 8, "adaptive")].vs_fixed_paired == pytest.approx(49 / 40)
+    assert v.paired is not None and v.paired.adaptive_vs_none_min == pytest.approx(0.98)
     lines = v.lines()
-    assert [line.endswith(": met)") for line in lines] == [True, False, True]
+    assert [line.endswith(": met)") for line in lines] == [True, False, True] * 2
+    assert "paired" not in lines[2] and "paired" in lines[3]
     md = report.markdown(runs)
     assert "| edit | 1 | adaptive | 17.6 | 1.60× | 1.14× |" in md
     # over both concurrencies and the three repeats: 3 of 4 accepted at position 1, 4 verified
@@ -208,6 +213,26 @@ MAX_TOKENS = 24
 # three tokens far above the rest (as tests/test_spec_api.py does): the random model's answers
 # run over them and repeat themselves, so a prompt lookup drafts from them
 BIAS = json.dumps({"logit_bias": {"1000": 30, "2000": 30, "3000": 30}})
+
+
+def test_paired_ratios_are_the_median_of_each_repeats_ratio() -> None:
+    """A slow spell of the machine in one repeat slows both arms of it: the ratio of the
+    medians (90 / 100) reads it as a loss, the median of each repeat's ratio (1.1, 1.1,
+    0.75) does not."""
+    none, adaptive = (100.0, 60.0, 120.0), (110.0, 66.0, 90.0)
+    runs = [
+        _run("chat", arm, 8, rep, tok_s[rep])
+        for arm, tok_s in (("none", none), ("adaptive", adaptive))
+        for rep in range(3)
+    ]
+    (_, p) = report.points(runs)
+    assert p.vs_none == pytest.approx(0.9) and p.vs_none_paired == pytest.approx(1.1)
+    assert p.vs_fixed_paired is None  # no fixed arm ran
+    v = report.verdict([p])
+    assert v.adaptive_vs_none_min == pytest.approx(0.9)
+    assert v.paired is not None and v.paired.adaptive_vs_none_min == pytest.approx(1.1)
+    assert v.paired.paired is None
+    assert "| chat | 8 | adaptive | 90.0 | 0.90× | – | 1.10× | – |" in report.markdown(runs)
 
 
 def test_arm_order_rotates_by_point_and_repeat() -> None:

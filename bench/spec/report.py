@@ -1,9 +1,11 @@
 """bench.spec_decode's outputs: medians over repeats per (workload, concurrency, arm), the
-ratios issue 20 asks for against their targets, acceptance by position and the calibration
+ratios issue 20 asks for against their targets (of the medians, and paired: the median of
+each repeat's ratio, its arms run back to back), acceptance by position and the calibration
 table summed over a workload's runs, as markdown; the PNG through bench.peers.report."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ class Point:
     ttft_p50_ms: float
     vs_none: float | None = None  # output tok/s / no speculation's, same workload and conc.
     vs_fixed: float | None = None  # adaptive only: / fixed k=5's
+    # the median over repeats of each repeat's ratio: its servers, its arms back to back, so a
+    # slow spell of the machine slows both sides of a ratio
+    vs_none_paired: float | None = None
+    vs_fixed_paired: float | None = None
     mean_accepted_length: float | None = None  # over the repeats' runs together
     acceptance_rate: float | None = None
     budget_mean: float | None = None
@@ -43,26 +49,30 @@ class Verdict:
     adaptive_vs_none_min: float | None
     adaptive_vs_none_min_at: str | None  # the point where it is lowest
     edit_c1_vs_none: float | None  # adaptive / none on (a) at concurrency 1
+    paired: Verdict | None = None  # the same of the paired ratios
 
-    def lines(self) -> list[str]:
+    def lines(self, label: str = "") -> list[str]:
         at = self.adaptive_vs_none_min_at or "–"
-        return [
+        lines = [
             _target(
-                "adaptive ÷ fixed k=5, mean over the grid",
+                f"adaptive ÷ fixed k=5{label}, mean over the grid",
                 self.adaptive_vs_fixed_mean,
                 ADAPTIVE_VS_FIXED,
             ),
             _target(
-                f"adaptive ÷ no speculation, lowest point ({at})",
+                f"adaptive ÷ no speculation{label}, lowest point ({at})",
                 self.adaptive_vs_none_min,
                 ADAPTIVE_VS_NONE,
             ),
             _target(
-                "adaptive ÷ no speculation, edit at concurrency 1",
+                f"adaptive ÷ no speculation{label}, edit at concurrency 1",
                 self.edit_c1_vs_none,
                 EDIT_C1_VS_NONE,
             ),
         ]
+        if self.paired is not None:
+            lines += self.paired.lines(", paired (the median of each repeat's ratio)")
+        return lines
 
 
 def points(runs: list[dict[str, Any]]) -> list[Point]:
@@ -94,39 +104,51 @@ def points(runs: list[dict[str, Any]]) -> list[Point]:
             )
         )
     by = {(p.workload, p.concurrency, p.arm): p for p in out}
+    tok_s = {
+        (r["workload"], r["concurrency"], r["repeat"], r["arm"]): r["summary"]["output_throughput"]
+        for r in runs
+    }
     for p in out:
         if (none := by.get((p.workload, p.concurrency, "none"))) is not None and p.arm != "none":
             p.vs_none = _ratio(p.output_tok_s, none.output_tok_s)
+            p.vs_none_paired = _paired(tok_s, p, "none")
         if p.arm == "adaptive" and (fixed := by.get((p.workload, p.concurrency, "fixed"))):
             p.vs_fixed = _ratio(p.output_tok_s, fixed.output_tok_s)
+            p.vs_fixed_paired = _paired(tok_s, p, "fixed")
     order = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in runs))}
     return sorted(out, key=lambda p: (order[p.workload], p.concurrency, ARMS.index(p.arm)))
 
 
-def verdict(ps: list[Point]) -> Verdict:
+def verdict(ps: list[Point], paired: bool = False) -> Verdict:
+    """Of the ratios of the medians, with (unless `paired`) the same of the paired ratios."""
     adaptive = [p for p in ps if p.arm == "adaptive"]
-    vs_fixed = [p.vs_fixed for p in adaptive if p.vs_fixed is not None]
-    vs_none = [(p.vs_none, f"{p.workload} c{p.concurrency}") for p in adaptive if p.vs_none]
+    fixed_of = (lambda p: p.vs_fixed_paired) if paired else (lambda p: p.vs_fixed)
+    none_of = (lambda p: p.vs_none_paired) if paired else (lambda p: p.vs_none)
+    vs_fixed = [v for p in adaptive if (v := fixed_of(p)) is not None]
+    vs_none = [(v, f"{p.workload} c{p.concurrency}") for p in adaptive if (v := none_of(p))]
     low = min(vs_none) if vs_none else (None, None)
-    edit_c1 = [p.vs_none for p in adaptive if (p.workload, p.concurrency) == ("edit", 1)]
+    edit_c1 = [none_of(p) for p in adaptive if (p.workload, p.concurrency) == ("edit", 1)]
     return Verdict(
         sum(vs_fixed) / len(vs_fixed) if vs_fixed else None,
         low[0],
         low[1],
         edit_c1[0] if edit_c1 else None,
+        None if paired else verdict(ps, paired=True),
     )
 
 
 def table(ps: list[Point]) -> str:
     lines = [
-        "| workload | conc. | arm | output tok/s | ÷ none | ÷ fixed 5 | TPOT p50 | TTFT p50 | "
+        "| workload | conc. | arm | output tok/s | ÷ none | ÷ fixed 5 | ÷ none, paired | "
+        "÷ fixed 5, paired | TPOT p50 | TTFT p50 | "
         "mean accepted length | acceptance | draft tokens / step | completed / failed |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in ps:
         lines.append(
             f"| {p.workload} | {p.concurrency} | {ARM_NAMES.get(p.arm, p.arm)} | "
             f"{p.output_tok_s:.1f} | {_x(p.vs_none)} | {_x(p.vs_fixed)} | "
+            f"{_x(p.vs_none_paired)} | {_x(p.vs_fixed_paired)} | "
             f"{_ms(p.tpot_p50_ms)} | {_ms(p.ttft_p50_ms)} | {_f(p.mean_accepted_length)} | "
             f"{_pct(p.acceptance_rate)} | {_f(p.budget_mean)} | {p.completed} / {p.failed} |"
         )
@@ -226,6 +248,17 @@ def _target(name: str, value: float | None, target: float) -> str:
         return f"{name}: – (target ≥ {target:.2f}×; not measured)"
     mark = "met" if value >= target else "NOT met"
     return f"{name}: **{value:.3f}×** (target ≥ {target:.2f}×: {mark})"
+
+
+def _paired(tok_s: dict[tuple[str, int, int, str], float], p: Point, other: str) -> float | None:
+    """The median over repeats of `p`'s output tok/s / `other`'s in the same repeat."""
+    ratios = [
+        r
+        for (w, c, rep, arm), v in tok_s.items()
+        if (w, c, arm) == (p.workload, p.concurrency, p.arm)
+        and (r := _ratio(v, tok_s.get((w, c, rep, other), float("nan")))) is not None
+    ]
+    return statistics.median(ratios) if ratios else None
 
 
 def _ratio(a: float, b: float) -> float | None:
