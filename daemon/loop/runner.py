@@ -90,6 +90,9 @@ class VerifyRows:
     # per sequence: its block tables and the position its state is snapshotted at
     states: list[tuple[list[list[int]], int]]
     penalized: list[int] = field(default_factory=list)  # the sequences with penalties
+    # the first of `rows` where they are one run (they follow the decodes' rows): the
+    # verify reads a view of the logits instead of copying them; None otherwise
+    run_start: int | None = None
 
 
 class _VerifyBuilder:
@@ -131,6 +134,7 @@ class _VerifyBuilder:
             slots=torch.tensor(self.slots, dtype=torch.long),
             states=self.states,
             penalized=self.penalized,
+            run_start=self.rows[0] if self.rows[-1] - self.rows[0] + 1 == len(self.rows) else None,
         )
 
 
@@ -677,12 +681,11 @@ class ModelRunner:
         """The sequences with drafts: what the target takes of each, its state rolled back
         where it rejected a draft, and the logprobs of every token taken (from raw rows)."""
         dev = self.device
-        rows = vr.rows.to(dev, non_blocking=True)
         sb = vr.sampling.to(dev)
-        first, n = int(vr.rows[0]), vr.rows.numel()
-        # the verify rows follow the decodes' in one run: a view, not a copy of the rows
-        contiguous = int(vr.rows[-1]) - first + 1 == n
-        mine = logits.narrow(0, first, n) if contiguous else logits.index_select(0, rows)
+        if vr.run_start is not None:
+            mine = logits.narrow(0, vr.run_start, vr.rows.numel())
+        else:
+            mine = logits.index_select(0, vr.rows.to(dev, non_blocking=True))
         out = verify(mine, vr.drafts, vr.draft_probs, sb, self.generator)
         last = torch.tensor([t[-1] for t in out.tokens], dtype=torch.long)
         self.last_tokens[vr.slots.to(dev, non_blocking=True)] = last.to(dev, non_blocking=True)
@@ -701,11 +704,9 @@ class ModelRunner:
         logprobs = None
         if sb.max_logprobs is not None:
             flat = torch.tensor([t for ts in out.tokens for t in ts], dtype=torch.long, device=dev)
-            taken = [r for seq_rows in out.rows for r in seq_rows]  # rows of logits[rows]
-            at = torch.tensor(taken, dtype=torch.long, device=dev)
-            logprobs = add_logprobs(
-                SampleResult(flat, None, None, None), raw[rows][at], sb.max_logprobs
-            )
+            taken = [r for seq_rows in out.rows for r in seq_rows]  # of the verify rows
+            at = vr.rows.to(dev)[torch.tensor(taken, dtype=torch.long, device=dev)]
+            logprobs = add_logprobs(SampleResult(flat, None, None, None), raw[at], sb.max_logprobs)
         return Verified(out.tokens, rolled_back, logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: PreparedStep) -> TargetLogprobs:
