@@ -25,7 +25,7 @@ from daemon.loop.engine import Engine
 from daemon.loop.request import SamplingParams
 from daemon.models.attention import AttentionBatch, PrefillChunk
 from daemon.models.compiled import CompiledDecode
-from daemon.models.compiled_artifacts import ISA_FILE
+from daemon.models.compiled_artifacts import ISA_FILE, _probe_again
 from tests.checkpoints import make_dense_checkpoint
 from tests.daemons import ROOT, checkout_env
 
@@ -252,6 +252,49 @@ def test_a_new_process_loads_the_saved_graphs_and_compiles_nothing(
     # inductor's vector-ISA probes answered as the compile ran them, none run again
     assert (compiled.artifacts / ISA_FILE).is_file() and result["isa_probes"] == []
     assert torch.equal(torch.load(tmp_path / "logits.pt"), compiled.probe)
+
+
+_FRESH_PROBES = """
+import json
+from torch._inductor import cpu_vec_isa
+from daemon.models.compiled_artifacts import _isa_probes
+record = {}
+with _isa_probes(record, replay=False):
+    cpu_vec_isa.valid_vec_isa_list()
+print("KEYS", json.dumps(sorted(record)))
+"""
+
+
+def test_the_probe_record_holds_the_probes_a_new_process_asks_for() -> None:
+    """In a process whose probes ran before its compile (another model's, an earlier test's),
+    the record is completed with them under the keys a new process looks up: found flags
+    (avx512's bf16) change an ISA's build flags, which key the probes."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()  # run and cached here, as by an earlier compile
+    record: dict[str, bool] = {}
+    _probe_again(record)
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROBES],
+        cwd=ROOT,
+        env=checkout_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("KEYS "))
+    fresh = json.loads(line.removeprefix("KEYS "))
+    assert fresh and set(fresh) <= set(record), (fresh, sorted(record))
+    # and a complete record answers them all: nothing runs again
+    ran: list[str] = []
+    real = cpu_vec_isa.VecISA._probe_load
+    cpu_vec_isa.VecISA._probe_load = lambda isa, path: ran.append(str(isa)) or real(isa, path)
+    try:
+        _probe_again(record)
+    finally:
+        cpu_vec_isa.VecISA._probe_load = real
+    assert ran == []
 
 
 @pytest.mark.parametrize("runs", ["llama"], indirect=True)

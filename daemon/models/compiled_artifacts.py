@@ -105,8 +105,7 @@ class CompiledArtifacts:
         record = self._probes()
         with _isa_probes(record, replay=False):
             compiled = torch.compile(fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
-        if not record:
-            _probe_again(record)
+        _probe_again(record)
         path = self.dir / f"{name}.bin"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -157,17 +156,22 @@ def _isa_probes(record: dict[str, bool], replay: bool) -> Iterator[None]:
 
 
 def _probe_again(record: dict[str, bool]) -> None:
-    """Run inductor's ISA probes again into `record`: they ran (and were cached) before this
-    process's first compile, so the compile recorded none."""
+    """Run inductor's ISA probes again into `record`, answering those it holds from it: a
+    probe that ran (and was cached) before this compile, for another model or in an earlier
+    compile of this process, was not recorded by it, and a new process would run it."""
     from torch._inductor import cpu_vec_isa
 
+    for isa in cpu_vec_isa.supported_vec_isa_list:
+        # what a probe found is kept on the ISA (avx512's bf16, AMX's fp16) and changes the
+        # flags the probes are keyed by: back to the class's default, as in a new process
+        for attr in [a for a in vars(isa) if a.startswith("_is_") and a.endswith("_supported")]:
+            delattr(isa, attr)
     for cls in {cpu_vec_isa.VecISA, *map(type, cpu_vec_isa.supported_vec_isa_list)}:
-        for attr in ("__bool__", "_VecISA__bool__impl"):
-            cached = cls.__dict__.get(attr)
+        for cached in cls.__dict__.values():
             if hasattr(cached, "cache_clear"):
                 cached.cache_clear()
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    with _isa_probes(record, replay=False):
+    with _isa_probes(record, replay=True):
         cpu_vec_isa.valid_vec_isa_list()
 
 
