@@ -200,8 +200,9 @@ def test_ratios_against_the_targets() -> None:
     assert by[("chat", 8, "adaptive")].vs_fixed_paired == pytest.approx(49 / 40)
     assert v.paired is not None and v.paired.adaptive_vs_none_min == pytest.approx(0.98)
     lines = v.lines()
-    assert [line.endswith(": met)") for line in lines] == [True, False, True] * 2
+    assert [line.endswith(": met)") for line in lines[:6]] == [True, False, True] * 2
     assert "paired" not in lines[2] and "paired" in lines[3]
+    assert lines[6].endswith("– (an interval needs 6 repeats or more)")  # three ran
     md = report.markdown(runs)
     assert "| edit | 1 | adaptive | 17.6 | 1.60× | 1.14× |" in md
     # over both concurrencies and the three repeats: 3 of 4 accepted at position 1, 4 verified
@@ -233,6 +234,41 @@ def test_paired_ratios_are_the_median_of_each_repeats_ratio() -> None:
     assert v.paired is not None and v.paired.adaptive_vs_none_min == pytest.approx(1.1)
     assert v.paired.paired is None
     assert "| chat | 8 | adaptive | 90.0 | 0.90× | – | 1.10× | – |" in report.markdown(runs)
+
+
+def test_median_interval_by_the_sign_test() -> None:
+    """Ten ratios: P(Binomial(10, 1/2) <= 1) = 11 / 1024, so [x_(2), x_(9)] holds the median
+    with 1 - 2 * 11 / 1024 = 97.9 % (x_(3) would give 89 %); five have no 95 % interval (the
+    whole range holds it with 1 - 2 / 32 = 94 %)."""
+    xs = [1.0 + i / 100 for i in (5, 0, 9, 2, 7, 1, 8, 3, 6, 4)]
+    assert report.median_interval(xs) == (1.01, 1.08)
+    assert report.median_interval(xs[:5]) is None
+    assert report.median_interval(xs[:6]) == (1.0, 1.09)
+    assert report.median_interval(xs[:5], level=0.9) == (1.0, 1.09)
+
+
+def test_points_below_none_beyond_the_noise() -> None:
+    """Six repeats each: chat c8's ratios all sit under 1.0 (its interval too), chat c32's
+    straddle it (a median under 1.0 that the noise explains)."""
+    low = (0.95, 0.97, 0.96, 0.94, 0.98, 0.93)
+    mixed = (0.97, 1.03, 0.98, 1.02, 0.96, 1.01)
+    runs = [
+        _run("chat", arm, c, rep, 100.0 * (ratios[rep] if arm == "adaptive" else 1.0))
+        for c, ratios in ((8, low), (32, mixed))
+        for arm in ("none", "adaptive")
+        for rep in range(6)
+    ]
+    ps = report.points(runs)
+    by = {(p.concurrency, p.arm): p for p in ps}
+    assert by[(8, "adaptive")].vs_none_interval == pytest.approx((0.93, 0.98))
+    assert by[(32, "adaptive")].vs_none_interval == pytest.approx((0.96, 1.03))
+    v = report.verdict(ps)
+    assert v.paired is not None and v.paired.below_none == ["chat c8"]
+    assert v.below_none is None  # the ratios of the medians have no interval
+    assert "**chat c8** of 2 (target: none: NOT met)" in v.lines()[-1]
+    assert "| 0.93–0.98× |" in report.markdown(runs)
+    runs = [r for r in runs if r["repeat"] < 5]
+    assert "needs 6 repeats" in report.verdict(report.points(runs)).lines()[-1]
 
 
 def test_arm_order_rotates_by_point_and_repeat() -> None:

@@ -1,10 +1,12 @@
 """bench.spec_decode's outputs: medians over repeats per (workload, concurrency, arm), the
 ratios issue 20 asks for against their targets (of the medians, and paired: the median of
-each repeat's ratio, its arms run back to back), acceptance by position and the calibration
-table summed over a workload's runs, as markdown; the PNG through bench.peers.report."""
+each repeat's ratio, its arms run back to back, with its sign-test interval), acceptance by
+position and the calibration table summed over a workload's runs, as markdown; the PNG through
+bench.peers.report."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ ARM_NAMES = {"none": "no speculation", "fixed": "fixed k=5", "adaptive": "adapti
 ADAPTIVE_VS_FIXED = 1.06  # averaged over the grid
 ADAPTIVE_VS_NONE = 1.0  # at every point
 EDIT_C1_VS_NONE = 1.5  # workload (a) at concurrency 1
+INTERVAL_LEVEL = 0.95  # of the paired ratios' median interval
 
 
 @dataclass
@@ -38,6 +41,9 @@ class Point:
     # slow spell of the machine slows both sides of a ratio
     vs_none_paired: float | None = None
     vs_fixed_paired: float | None = None
+    # the interval that holds the median of the paired ratios with INTERVAL_LEVEL confidence
+    # (order statistics, a sign test: no assumption on the noise's shape); None under 6 repeats
+    vs_none_interval: tuple[float, float] | None = None
     mean_accepted_length: float | None = None  # over the repeats' runs together
     acceptance_rate: float | None = None
     budget_mean: float | None = None
@@ -50,6 +56,10 @@ class Verdict:
     adaptive_vs_none_min_at: str | None  # the point where it is lowest
     edit_c1_vs_none: float | None  # adaptive / none on (a) at concurrency 1
     paired: Verdict | None = None  # the same of the paired ratios
+    # paired only: the points whose interval lies wholly under 1.0 (adaptive costs throughput
+    # there beyond the noise), of `with_interval` points that have one
+    below_none: list[str] | None = None
+    with_interval: int = 0
 
     def lines(self, label: str = "") -> list[str]:
         at = self.adaptive_vs_none_min_at or "–"
@@ -70,9 +80,22 @@ class Verdict:
                 EDIT_C1_VS_NONE,
             ),
         ]
+        if self.below_none is not None:
+            lines.append(self._below_line())
         if self.paired is not None:
             lines += self.paired.lines(", paired (the median of each repeat's ratio)")
         return lines
+
+    def _below_line(self) -> str:
+        name = (
+            f"points where adaptive is below no speculation beyond the noise (the paired "
+            f"ratios' {INTERVAL_LEVEL:.0%} interval under 1.0)"
+        )
+        if not self.with_interval:
+            return f"{name}: – (an interval needs 6 repeats or more)"
+        below = ", ".join(self.below_none or []) or "none"
+        mark = "met" if not self.below_none else "NOT met"
+        return f"{name}: **{below}** of {self.with_interval} (target: none: {mark})"
 
 
 def points(runs: list[dict[str, Any]]) -> list[Point]:
@@ -111,10 +134,13 @@ def points(runs: list[dict[str, Any]]) -> list[Point]:
     for p in out:
         if (none := by.get((p.workload, p.concurrency, "none"))) is not None and p.arm != "none":
             p.vs_none = _ratio(p.output_tok_s, none.output_tok_s)
-            p.vs_none_paired = _paired(tok_s, p, "none")
+            ratios = _paired(tok_s, p, "none")
+            p.vs_none_paired = statistics.median(ratios) if ratios else None
+            p.vs_none_interval = median_interval(ratios)
         if p.arm == "adaptive" and (fixed := by.get((p.workload, p.concurrency, "fixed"))):
             p.vs_fixed = _ratio(p.output_tok_s, fixed.output_tok_s)
-            p.vs_fixed_paired = _paired(tok_s, p, "fixed")
+            ratios = _paired(tok_s, p, "fixed")
+            p.vs_fixed_paired = statistics.median(ratios) if ratios else None
     order = {w: i for i, w in enumerate(dict.fromkeys(r["workload"] for r in runs))}
     return sorted(out, key=lambda p: (order[p.workload], p.concurrency, ARMS.index(p.arm)))
 
@@ -128,27 +154,48 @@ def verdict(ps: list[Point], paired: bool = False) -> Verdict:
     vs_none = [(v, f"{p.workload} c{p.concurrency}") for p in adaptive if (v := none_of(p))]
     low = min(vs_none) if vs_none else (None, None)
     edit_c1 = [none_of(p) for p in adaptive if (p.workload, p.concurrency) == ("edit", 1)]
+    intervals = [(p, p.vs_none_interval) for p in adaptive if p.vs_none_interval is not None]
     return Verdict(
         sum(vs_fixed) / len(vs_fixed) if vs_fixed else None,
         low[0],
         low[1],
         edit_c1[0] if edit_c1 else None,
         None if paired else verdict(ps, paired=True),
+        [f"{p.workload} c{p.concurrency}" for p, (_, hi) in intervals if hi < 1.0]
+        if paired
+        else None,
+        len(intervals),
     )
+
+
+def median_interval(xs: list[float], level: float = INTERVAL_LEVEL) -> tuple[float, float] | None:
+    """[x_(k), x_(n+1-k)] of the sorted `xs`, for the largest k where that interval holds the
+    median with at least `level` confidence: each x falls either side of the median with
+    probability 1/2, so x_(k) lies above it with P(Binomial(n, 1/2) < k). None where even
+    the whole range has less (n < 6 at 95 %)."""
+    n, s = len(xs), sorted(xs)
+    k, below = 0, 0.0
+    for j in range(n // 2 + 1):
+        below += math.comb(n, j) / 2**n  # P(Binomial(n, 1/2) <= j)
+        if 2 * below > 1 - level:
+            break
+        k = j + 1
+    return (s[k - 1], s[n - k]) if k else None
 
 
 def table(ps: list[Point]) -> str:
     lines = [
         "| workload | conc. | arm | output tok/s | ÷ none | ÷ fixed 5 | ÷ none, paired | "
-        "÷ fixed 5, paired | TPOT p50 | TTFT p50 | "
-        "mean accepted length | acceptance | draft tokens / step | completed / failed |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"÷ fixed 5, paired | ÷ none, paired, {INTERVAL_LEVEL:.0%} interval | TPOT p50 | "
+        "TTFT p50 | mean accepted length | acceptance | draft tokens / step | "
+        "completed / failed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in ps:
         lines.append(
             f"| {p.workload} | {p.concurrency} | {ARM_NAMES.get(p.arm, p.arm)} | "
             f"{p.output_tok_s:.1f} | {_x(p.vs_none)} | {_x(p.vs_fixed)} | "
-            f"{_x(p.vs_none_paired)} | {_x(p.vs_fixed_paired)} | "
+            f"{_x(p.vs_none_paired)} | {_x(p.vs_fixed_paired)} | {_span(p.vs_none_interval)} | "
             f"{_ms(p.tpot_p50_ms)} | {_ms(p.ttft_p50_ms)} | {_f(p.mean_accepted_length)} | "
             f"{_pct(p.acceptance_rate)} | {_f(p.budget_mean)} | {p.completed} / {p.failed} |"
         )
@@ -250,15 +297,14 @@ def _target(name: str, value: float | None, target: float) -> str:
     return f"{name}: **{value:.3f}×** (target ≥ {target:.2f}×: {mark})"
 
 
-def _paired(tok_s: dict[tuple[str, int, int, str], float], p: Point, other: str) -> float | None:
-    """The median over repeats of `p`'s output tok/s / `other`'s in the same repeat."""
-    ratios = [
+def _paired(tok_s: dict[tuple[str, int, int, str], float], p: Point, other: str) -> list[float]:
+    """Each repeat's `p` output tok/s / `other`'s in the same repeat."""
+    return [
         r
         for (w, c, rep, arm), v in tok_s.items()
         if (w, c, arm) == (p.workload, p.concurrency, p.arm)
         and (r := _ratio(v, tok_s.get((w, c, rep, other), float("nan")))) is not None
     ]
-    return statistics.median(ratios) if ratios else None
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -267,6 +313,10 @@ def _ratio(a: float, b: float) -> float | None:
 
 def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}×"
+
+
+def _span(v: tuple[float, float] | None) -> str:
+    return "–" if v is None else f"{v[0]:.2f}–{v[1]:.2f}×"
 
 
 def _f(v: float | None) -> str:
