@@ -265,7 +265,9 @@ print("KEYS", json.dumps(sorted(record)))
 """
 
 
-def test_the_probe_record_holds_the_probes_a_new_process_asks_for() -> None:
+def test_the_probe_record_holds_the_probes_a_new_process_asks_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """In a process whose probes ran before its compile (another model's, an earlier test's),
     the record is completed with them under the keys a new process looks up: found flags
     (avx512's bf16) change an ISA's build flags, which key the probes."""
@@ -289,11 +291,9 @@ def test_the_probe_record_holds_the_probes_a_new_process_asks_for() -> None:
     # and a complete record answers them all: nothing runs again
     ran: list[str] = []
     real = cpu_vec_isa.VecISA._probe_load
-    cpu_vec_isa.VecISA._probe_load = lambda isa, path: ran.append(str(isa)) or real(isa, path)
-    try:
-        _probe_again(record)
-    finally:
-        cpu_vec_isa.VecISA._probe_load = real
+    spy = lambda isa, path: ran.append(str(isa)) or real(isa, path)  # noqa: E731
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "_probe_load", spy)
+    _probe_again(record)
     assert ran == []
 
 

@@ -154,18 +154,18 @@ def verdict(ps: list[Point], paired: bool = False) -> Verdict:
     vs_none = [(v, f"{p.workload} c{p.concurrency}") for p in adaptive if (v := none_of(p))]
     low = min(vs_none) if vs_none else (None, None)
     edit_c1 = [none_of(p) for p in adaptive if (p.workload, p.concurrency) == ("edit", 1)]
-    intervals = [(p, p.vs_none_interval) for p in adaptive if p.vs_none_interval is not None]
-    return Verdict(
+    out = Verdict(
         sum(vs_fixed) / len(vs_fixed) if vs_fixed else None,
         low[0],
         low[1],
         edit_c1[0] if edit_c1 else None,
         None if paired else verdict(ps, paired=True),
-        [f"{p.workload} c{p.concurrency}" for p, (_, hi) in intervals if hi < 1.0]
-        if paired
-        else None,
-        len(intervals),
     )
+    if paired:
+        intervals = [(p, p.vs_none_interval) for p in adaptive if p.vs_none_interval is not None]
+        out.below_none = [f"{p.workload} c{p.concurrency}" for p, (_, hi) in intervals if hi < 1]
+        out.with_interval = len(intervals)
+    return out
 
 
 def median_interval(xs: list[float], level: float = INTERVAL_LEVEL) -> tuple[float, float] | None:
