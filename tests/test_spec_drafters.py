@@ -9,7 +9,7 @@ import pytest
 
 from daemon.loop.request import Request, SamplingParams
 from daemon.loop.spec.drafters import build_drafter
-from daemon.loop.spec.ngram import MatchStats, NgramDrafter
+from daemon.loop.spec.ngram import COPY_LEVELS, COPY_MIN, COPY_WINDOW, MatchStats, NgramDrafter
 from daemon.loop.spec.suffix import SuffixDrafter, SuffixIndex, SuffixMatch, expected_accepted
 
 
@@ -30,6 +30,21 @@ def rescan(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int]
                     draft.append(draft[len(draft) - (end - start)])
                 return draft, n
     return [], 0
+
+
+def copy_kind(tokens: list[int], prompt_len: int, copy_n: int = 3) -> int:
+    """A request's kind by brute force: of its latest output tokens, the share that end an
+    n-gram which ended somewhere before."""
+    marks = [
+        any(
+            tokens[q + 1 - copy_n : q + 1] == tokens[p + 1 - copy_n : p + 1]
+            for q in range(copy_n - 1, p)
+        )
+        for p in range(max(prompt_len, copy_n - 1), len(tokens))
+    ][-COPY_WINDOW:]
+    if len(marks) < COPY_MIN:
+        return 0
+    return 1 + min(COPY_LEVELS * sum(marks) // len(marks), COPY_LEVELS - 1)
 
 
 def test_a_repeat_proposes_what_followed_it() -> None:
@@ -89,6 +104,8 @@ def test_incremental_updates_equal_a_rescan(seed: int) -> None:
         draft = d.propose(req, k)
         want, n = rescan(req.prompt_ids + req.output_ids, k, 1, 5)
         assert (draft.tokens, draft.match_len) == (want, n), step
+        if draft.tokens:
+            assert draft.kind == copy_kind(req.prompt_ids + req.output_ids, len(prompt)), step
         # several tokens may arrive between proposals (an accepted draft)
         req.output_ids.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
     d.propose(req, 1)
@@ -150,16 +167,22 @@ def test_confidence_moves_with_observed_acceptance() -> None:
     truth = (phrase * 20)[6:]
     while copier.num_known_tokens < 200:
         step(d, copier, truth)
-    assert all(c > p + 0.3 for c, p in zip(d.stats.confidence(4, 4), prior))
+    copying = d.propose(copier, 4).kind
+    assert copying == COPY_LEVELS  # every output token repeats the prompt
+    assert all(c > p + 0.3 for c, p in zip(d.stats.confidence(4, 4, copying), prior))
     # "1 2" always continued by something new: the first drafted token is always rejected
     fresh = iter(range(1000, 2000))
     deviating = request([1, 2, next(fresh)], rid="x")
     truth = [t for _ in range(200) for t in (1, 2, next(fresh))]
     for _ in range(60):
         step(d, deviating, truth)
-    assert d.stats.confidence(2, 1)[0] < 0.2
+    while deviating.output_ids[-2:] != [1, 2]:
+        step(d, deviating, truth)
+    new = d.propose(deviating, 1).kind
+    assert new == 1  # no 3-gram of its output occurred before
+    assert d.stats.confidence(2, 1, new)[0] < 0.2
     # position 1 of length-2 matches was never reached: it follows its position's pool
-    assert d.stats.confidence(2, 2)[1] > prior[1]
+    assert d.stats.confidence(2, 2, new)[1] > prior[1]
 
 
 def test_a_requests_own_acceptance_moves_its_confidence() -> None:
@@ -205,17 +228,48 @@ def test_unverified_positions_are_decided_by_the_tokens() -> None:
 
 
 def test_match_stats_are_conditional_and_bounded() -> None:
-    stats = MatchStats(prior=0.5, strength=4.0, window=100.0)
+    stats = MatchStats(prior=0.5, strength=4.0, memory=0.99)
     assert stats.confidence(3, 2) == [0.5, 0.5]
     for _ in range(1000):
         stats.observe(3, verified=3, accepted=1)  # 0 accepted, 1 rejected, 2 not reached
     rates = stats.confidence(3, 3)
     assert rates[0] > 0.95 and rates[1] < 0.05 and rates[2] == pytest.approx(0.5)
-    # the window keeps the counts bounded, so a change of regime shows quickly
+    # old outcomes fade, so a change of regime shows quickly
     for _ in range(200):
         stats.observe(3, verified=2, accepted=2)
     assert stats.confidence(3, 2)[1] > 0.8
     assert stats.confidence(3, 0) == []
+
+
+def test_match_stats_weigh_outcomes_by_their_memory() -> None:
+    """Each outcome weighs memory ** (later outcomes): the estimate equals that sum computed
+    directly, across the rescaling of the weights (which 0.9 reaches after ~260 outcomes)."""
+    m, s = 0.9, 2.0
+    stats = MatchStats(prior=0.5, strength=s, memory=m)
+    rng = random.Random(0)
+    ys = [rng.random() < 0.3 for _ in range(700)]
+    for y in ys:
+        stats.record(2, 0, y)
+    acc = sum(m ** (len(ys) - 1 - i) * y for i, y in enumerate(ys))
+    tried = sum(m ** (len(ys) - 1 - i) for i in range(len(ys)))
+    pooled = (acc + s * 0.5) / (tried + s)
+    kind = (acc + s * pooled) / (tried + s)
+    assert stats.confidence(2, 1) == pytest.approx([(acc + s * kind) / (tried + s)])
+    with pytest.raises(ValueError, match="memory"):
+        MatchStats(memory=0.0)
+
+
+def test_kinds_of_request_are_counted_apart() -> None:
+    stats = MatchStats(strength=4.0)
+    for _ in range(200):
+        stats.record(2, 0, True, kind=4)  # copying requests: their matches continue
+        stats.record(2, 0, False, kind=1)  # new text: its matches do not
+    assert stats.confidence(2, 1, kind=4)[0] > 0.9
+    assert stats.confidence(2, 1, kind=1)[0] < 0.1
+    # a kind with no outcomes gets the rate over every kind, a length a kind has not seen
+    # the kind's rate
+    assert 0.3 < stats.confidence(2, 1, kind=2)[0] < 0.7
+    assert stats.confidence(5, 1, kind=4)[0] > 0.9
 
 
 def test_build_drafter_by_name() -> None:

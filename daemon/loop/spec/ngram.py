@@ -3,6 +3,8 @@ own last tokens, with confidences from the observed acceptance of such matches."
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,78 +20,114 @@ class LookupDraft(Draft):
 
     source: str = "none"  # "ngram" (the request's own tokens), "suffix" (earlier requests)
     match_len: int = 0  # how many of the request's last tokens the match covers
+    kind: int = 0  # the request's kind its outcomes are counted under (MatchStats)
 
 
 class MatchStats:
-    """Acceptance by (match length n, draft position j), as counts of outcomes.
+    """Acceptance by (request kind, match length n, draft position j), as counts of outcomes.
 
-    Cell (n, j) counts the drafts of match length n whose position j was decided with all of
-    positions < j accepted, and how many of those accepted j: its rate estimates
-    P(accept j | accepted < j). A cell shrinks toward its position's rate over every n, which
-    shrinks toward `prior`, each with the weight of `strength` outcomes, so unseen cells start
-    sane and a cell's own evidence takes over as it accumulates. A cell's counts halve once
-    they pass `window`, so the estimates follow a workload that changes."""
+    Cell (kind, n, j) counts the drafts of match length n, made for requests of that kind,
+    whose position j was decided with all of positions < j accepted, and how many of those
+    accepted j: its rate estimates P(accept j | accepted < j). The kind is the caller's label
+    of what a request is doing (`NgramDrafter`: how much its output repeats). A cell shrinks
+    toward its kind's rate at j over every n, that toward the rate at j over every kind, and
+    that toward `prior`, each with the weight of `strength` outcomes, so unseen cells start
+    sane and a cell's own evidence takes over as it accumulates.
 
-    def __init__(self, prior: float = 0.5, strength: float = 4.0, window: float = 2048.0) -> None:
+    Every outcome's weight decays by `memory` per later outcome (in any cell), so the table
+    weighs about the last 1 / (1 - memory) outcomes: when the traffic changes (edits, then
+    chat), the estimates follow within a few hundred outcomes, not after a cell's thousands
+    of outcomes of the old traffic have been outweighed."""
+
+    def __init__(self, prior: float = 0.5, strength: float = 4.0, memory: float = 0.998) -> None:
+        if not 0.0 < memory <= 1.0:
+            raise ValueError("the match statistics' memory must be in (0, 1]")
         self.prior = prior
         self.strength = strength
-        self.window = window
+        self.memory = memory
         self.outcomes = 0  # outcomes ever recorded
-        self._accepted: list[list[float]] = []  # [n][j]
-        self._tried: list[list[float]] = []
+        # the weight of the next outcome: it grows by 1 / memory per outcome, so the counts
+        # over the latest outcome's weight are the decayed counts
+        self._weight = 1.0
+        # (kind, n) -> (accepted, tried) by position, in outcome weights
+        self._cells: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._cols = 0
-        self._rates: list[list[float]] | None = None  # estimates, rebuilt after an outcome
+        # the estimates, rebuilt after an outcome: per cell, per kind, over all
+        self._rates: dict[tuple[int, int], list[float]] | None = None
+        self._kind_rates: dict[int, list[float]] = {}
+        self._pooled: list[float] = []
 
-    def _ensure(self, n: int, k: int) -> None:
-        if n < len(self._accepted) and k <= self._cols:
-            return
-        self._cols = max(k, self._cols)
-        rows = max(n + 1, len(self._accepted))
-        for table in (self._accepted, self._tried):
-            for row in table:
-                row.extend([0.0] * (self._cols - len(row)))
-            table.extend([0.0] * self._cols for _ in range(rows - len(table)))
-        self._rates = None
-
-    def record(self, n: int, j: int, accepted: bool) -> None:
-        """Position `j` of a draft of match length `n`, whose positions < j were accepted."""
-        self._ensure(n, j + 1)
-        tried, acc = self._tried[n], self._accepted[n]
-        tried[j] += 1.0
+    def record(self, n: int, j: int, accepted: bool, kind: int = 0) -> None:
+        """Position `j` of a draft of match length `n` for a request of `kind`, whose
+        positions < j were accepted."""
+        acc, tried = self._cells.setdefault((kind, n), ([], []))
+        if j >= len(tried):
+            acc.extend([0.0] * (j + 1 - len(acc)))
+            tried.extend([0.0] * (j + 1 - len(tried)))
+            self._cols = max(self._cols, j + 1)
+        w = self._weight
+        tried[j] += w
         if accepted:
-            acc[j] += 1.0
-        if tried[j] > self.window:
-            tried[j] *= 0.5
-            acc[j] *= 0.5
+            acc[j] += w
+        self._weight = w / self.memory
+        if self._weight > 1e12:  # rescaled before the sums lose the small weights
+            for a, t in self._cells.values():
+                a[:] = [x / w for x in a]
+                t[:] = [x / w for x in t]
+            self._weight = 1.0 / self.memory
         self.outcomes += 1
         self._rates = None
 
-    def observe(self, n: int, verified: int, accepted: int) -> None:
+    def observe(self, n: int, verified: int, accepted: int, kind: int = 0) -> None:
         """A draft of match length `n`: `verified` positions verified, the first `accepted`
         of them accepted (the one after, if verified, rejected)."""
         for j in range(min(accepted + 1, verified)):
-            self.record(n, j, j < accepted)
+            self.record(n, j, j < accepted, kind)
 
-    def confidence(self, n: int, length: int) -> list[float]:
-        """P(accept j | accepted < j) for j < `length`, for a match of length `n`."""
+    def confidence(self, n: int, length: int, kind: int = 0) -> list[float]:
+        """P(accept j | accepted < j) for j < `length`, for a match of length `n` made for a
+        request of `kind`."""
         if length <= 0:
             return []
-        self._ensure(n, length)
         if self._rates is None:
             self._rates = self._estimate()
-        return self._rates[n][:length]
+        rates = self._rates.get((kind, n)) or self._kind_rates.get(kind) or self._pooled
+        if len(rates) < length:  # positions no draft has reached: the prior
+            rates = rates + [self.prior] * (length - len(rates))
+        return rates[:length]
 
-    def _estimate(self) -> list[list[float]]:
-        s = self.strength
-        pooled = []
-        for j in range(self._cols):
-            a = sum(row[j] for row in self._accepted)
-            t = sum(row[j] for row in self._tried)
-            pooled.append((a + s * self.prior) / (t + s))
-        return [
-            [(a + s * p) / (t + s) for a, t, p in zip(acc, tried, pooled)]
-            for acc, tried in zip(self._accepted, self._tried)
-        ]
+    def _estimate(self) -> dict[tuple[int, int], list[float]]:
+        s, cols = self.strength, self._cols
+        latest = self._weight * self.memory  # the latest outcome's weight, which counts 1
+        cells = {
+            key: ([x / latest for x in a], [x / latest for x in t])
+            for key, (a, t) in self._cells.items()
+        }
+
+        def shrunk(sums: tuple[list[float], list[float]], toward: list[float]) -> list[float]:
+            acc, tried = _summed([sums], cols)
+            return [(acc[j] + s * toward[j]) / (tried[j] + s) for j in range(cols)]
+
+        self._pooled = shrunk(_summed(cells.values(), cols), [self.prior] * cols)
+        by_kind: dict[int, list[tuple[list[float], list[float]]]] = {}
+        for (kind, _), c in cells.items():
+            by_kind.setdefault(kind, []).append(c)
+        self._kind_rates = {
+            kind: shrunk(_summed(cs, cols), self._pooled) for kind, cs in by_kind.items()
+        }
+        return {key: shrunk(c, self._kind_rates[key[0]]) for key, c in cells.items()}
+
+
+def _summed(
+    cells: Iterable[tuple[list[float], list[float]]], cols: int
+) -> tuple[list[float], list[float]]:
+    """The (accepted, tried) sums of `cells` by position, `cols` positions long."""
+    acc, tried = [0.0] * cols, [0.0] * cols
+    for a, t in cells:
+        for j in range(len(t)):
+            acc[j] += a[j]
+            tried[j] += t[j]
+    return acc, tried
 
 
 class RequestRates:
@@ -122,6 +160,14 @@ class RequestRates:
         ]
 
 
+# a request's kind: how many of its latest output tokens (COPY_WINDOW) end an n-gram of
+# COPY_N tokens seen before in it, from COPY_MIN of them on, in COPY_LEVELS steps
+COPY_WINDOW = 16
+COPY_MIN = 4
+COPY_LEVELS = 4
+COPY_N = 3
+
+
 @dataclass
 class _Pending:
     """A proposal whose outcome is not all known: scored against the request's tokens as they
@@ -130,6 +176,7 @@ class _Pending:
     start: int  # the position tokens[0] was proposed for
     tokens: list[int]
     match_len: int
+    kind: int
     stats: MatchStats  # where its outcomes are counted
     decided: int = 0  # positions scored so far (all hits)
 
@@ -144,6 +191,16 @@ class _Context:
     last: list[dict[tuple[int, ...], int]] = field(default_factory=list)
     pending: list[_Pending] = field(default_factory=list)
     rates: RequestRates = field(default_factory=RequestRates)
+    # per latest output token: whether the n-gram it ends had occurred before
+    copied: deque[bool] = field(default_factory=lambda: deque(maxlen=COPY_WINDOW))
+
+    def kind(self) -> int:
+        """0 until `COPY_MIN` output tokens are known, then 1 + how much of the latest output
+        repeats earlier n-grams, in `COPY_LEVELS` steps."""
+        seen = len(self.copied)
+        if seen < COPY_MIN:
+            return 0
+        return 1 + min(COPY_LEVELS * sum(self.copied) // seen, COPY_LEVELS - 1)
 
 
 class NgramDrafter:
@@ -151,6 +208,11 @@ class NgramDrafter:
     known tokens, of length `max_n` down to `min_n`, that occurred earlier in them; the draft
     is what followed its latest earlier occurrence. A match that runs into the suffix itself
     (a repeating pattern) continues with its own period.
+
+    Outcomes are counted by the request's kind as well as the match length: a request whose
+    latest output repeats n-grams of its prompt or output (an edit under way) continues a
+    short match far more often than one whose output is new (a chat answer), and this shows
+    in its tokens before it has drafted at all.
 
     Each request keeps an index, one dict per n-gram length from n-gram to its latest position,
     extended by the tokens that arrived since the last proposal (`indexed` counts that work),
@@ -196,8 +258,9 @@ class NgramDrafter:
             period = end - start
             while len(draft) < k:  # the match overlaps the suffix: the pattern repeats
                 draft.append(draft[len(draft) - period])
-            confidence = ctx.rates.adjust(self.stats.confidence(n, len(draft)))
-            proposal = LookupDraft(draft, confidence, source="ngram", match_len=n)
+            kind = ctx.kind()
+            confidence = ctx.rates.adjust(self.stats.confidence(n, len(draft), kind))
+            proposal = LookupDraft(draft, confidence, source="ngram", match_len=n, kind=kind)
             self._track(ctx, proposal, self.stats)
             return proposal
         return LookupDraft([], [])
@@ -226,7 +289,7 @@ class NgramDrafter:
         start = len(ctx.tokens)
         # proposed again before any token arrived (an overlapped step): count it once
         ctx.pending = [p for p in ctx.pending if p.start != start or p.stats is not stats]
-        ctx.pending.append(_Pending(start, list(draft.tokens), draft.match_len, stats))
+        ctx.pending.append(_Pending(start, list(draft.tokens), draft.match_len, draft.kind, stats))
 
     @staticmethod
     def _score(ctx: _Context) -> None:
@@ -236,7 +299,7 @@ class NgramDrafter:
             hit, j, last = True, p.decided, min(len(p.tokens), end - p.start)
             while hit and j < last:
                 hit = tokens[p.start + j] == p.tokens[j]
-                p.stats.record(p.match_len, j, hit)
+                p.stats.record(p.match_len, j, hit, p.kind)
                 ctx.rates.record(j, hit)
                 j += 1
             p.decided = j
@@ -269,15 +332,25 @@ class NgramDrafter:
         return ctx
 
     def _index(self, ctx: _Context, old: int) -> None:
-        """Adds the n-grams followed by the tokens from position `old` on."""
+        """Adds the n-grams followed by the tokens from position `old` on, and notes of each
+        output token whether the n-gram it ends had occurred before (the request's kind)."""
         tokens = ctx.tokens
         end = len(tokens)
         self.indexed += end - old
-        if end - old <= 4:  # a decode step's few tokens: plain loops are cheaper
-            for p in range(max(old, self.min_n), end):
-                for n, last in zip(range(self.min_n, min(p, self.max_n) + 1), ctx.last):
-                    last[tuple(tokens[p - n : p])] = p
-            return
+        prompt = min(len(ctx.owner.prompt_ids), end)
+        if prompt - old > 4:  # a prompt's many tokens: in bulk
+            self._index_bulk(ctx, old, prompt)
+            old = prompt
+        copy_n = min(max(COPY_N, self.min_n), self.max_n)
+        grams = ctx.last[copy_n - self.min_n]
+        for p in range(max(old, self.min_n), end):  # a decode step's few tokens
+            for n, last in zip(range(self.min_n, min(p, self.max_n) + 1), ctx.last):
+                last[tuple(tokens[p - n : p])] = p
+            if p >= prompt and p + 1 >= copy_n:  # the n-gram ending at p: did one end before?
+                ctx.copied.append(tuple(tokens[p + 1 - copy_n : p + 1]) in grams)
+
+    def _index_bulk(self, ctx: _Context, old: int, end: int) -> None:
+        tokens = ctx.tokens
         for n, last in zip(range(self.min_n, self.max_n + 1), ctx.last):
             first = max(old, n)  # the first follower position with a whole n-gram before it
             if first >= end:
