@@ -141,33 +141,6 @@ def test_a_request_gets_its_blocks_in_memory_order_though_they_were_freed_tail_f
     assert again == sorted(again) and set(again) == set(range(8))
 
 
-def test_a_rejected_drafts_block_is_the_next_one_its_request_grows_into() -> None:
-    """Blocks grown for drafts and given back after a rejection go to the front of the free
-    list (nothing can find them), so the request grows back into the same block; blocks of a
-    finished request go to the back, least recently freed reused first (a prefix may find
-    them). At the back, every rejection across a block boundary would hand the request a block
-    from anywhere in the pool: after an edit workload's verifies, chat at 64 sequences read
-    tables with 60 % of neighbouring blocks adjacent against none's 81 %, and ran ~5 % slower."""
-    kv = KVManager([KVGroup(SPEC, (0,))], 16 * SPEC.bytes_per_block)
-    kv.grow("a", 8)  # blocks 0, 1
-    kv.grow("b", 4)  # block 2
-    kv.grow("a", 12)  # a draft crossing into block 3
-    kv.shrink("a", 8)  # rejected
-    kv.grow("a", 12)  # its next verify
-    assert kv.block_tables("a") == [[0, 1, 3]]  # from the back it would be block 4
-    kv.grow("b", 8)
-    assert kv.block_tables("b") == [[2, 4]]
-    kv.free("b")  # to the back: 4 and 2 are reused last
-    kv.grow("c", 16)
-    assert kv.block_tables("c") == [[5, 6, 7, 8]]
-    pool = BlockPool(4)
-    pool.allocate(4)
-    pool.decref(3)
-    pool.decref(2, keep=False)
-    pool.decref(1)
-    assert [pool.allocate(1)[0] for _ in range(3)] == [2, 3, 1]
-
-
 class _Lookup:
     """Drafts two tokens for the requests named, none for the others."""
 

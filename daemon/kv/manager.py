@@ -176,16 +176,14 @@ class KVManager:
     def shrink(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's trailing blocks past its first `num_tokens` positions (those
         grown for draft tokens that were rejected): it then holds what a request of that
-        length holds. A block no prefix can find is the next one allocated, so the request
-        grows back into it instead of into a block from anywhere in the pool."""
+        length holds."""
         tables = self.tables.get(request_id)
         if tables is None:
             return
-        for table, kind, pool, keys in zip(tables, self.kinds, self.pools, self._key_of):
-            held = kind.blocks_for(num_tokens)
-            while len(table) > held:
-                block = table.pop()
-                pool.decref(block, block in keys)
+        for table, kind, pool in zip(tables, self.kinds, self.pools):
+            keep = kind.blocks_for(num_tokens)
+            while len(table) > keep:
+                pool.decref(table.pop())
 
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)
