@@ -99,13 +99,14 @@ class MatchStats:
     def _estimate(self) -> dict[tuple[int, int], list[float]]:
         s, cols = self.strength, self._cols
         latest = self._weight * self.memory  # the latest outcome's weight, which counts 1
-        cells = {
-            key: ([x / latest for x in a], [x / latest for x in t])
+        pad = [0.0] * cols
+        cells = {  # decayed counts, every cell `cols` positions long
+            key: (([x / latest for x in a] + pad)[:cols], ([x / latest for x in t] + pad)[:cols])
             for key, (a, t) in self._cells.items()
         }
 
         def shrunk(sums: tuple[list[float], list[float]], toward: list[float]) -> list[float]:
-            acc, tried = _summed([sums], cols)
+            acc, tried = sums
             return [(acc[j] + s * toward[j]) / (tried[j] + s) for j in range(cols)]
 
         self._pooled = shrunk(_summed(cells.values(), cols), [self.prior] * cols)
@@ -121,10 +122,10 @@ class MatchStats:
 def _summed(
     cells: Iterable[tuple[list[float], list[float]]], cols: int
 ) -> tuple[list[float], list[float]]:
-    """The (accepted, tried) sums of `cells` by position, `cols` positions long."""
+    """The (accepted, tried) sums of `cells` (each `cols` positions long) by position."""
     acc, tried = [0.0] * cols, [0.0] * cols
     for a, t in cells:
-        for j in range(len(t)):
+        for j in range(cols):
             acc[j] += a[j]
             tried[j] += t[j]
     return acc, tried
