@@ -41,3 +41,4 @@ def test_serve_subprocess(tiny_model_dir: Path, tmp_path: Path) -> None:
                 proc.wait()
     log = log_path.read_text()
     assert '"event": "serving"' in log and '"event": "stopped"' in log, log
+    assert '"event": "heap_frozen"' in log, log

@@ -39,6 +39,7 @@ from daemon.service import logs
 from daemon.service.cluster_node import engine_load, fingerprint_of, local_node
 from daemon.service.encoder_node import remote_encoder
 from daemon.service.handoff_node import handoff_config
+from daemon.service.heap import freeze_startup_heap
 from daemon.service.sd_notify import Notifier
 from daemon.service.settings import ConfigError, Settings
 
@@ -141,6 +142,7 @@ async def serve(settings: Settings, reload: Callable[[], Settings] | None = None
     )
     notifier = Notifier()
     signals = _Signals(asyncio.get_running_loop(), lambda: _reload(app[STATE], reload))
+    freeze_startup_heap()
     log.info(
         "serving",
         url=url,
