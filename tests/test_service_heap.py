@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
-from tests.daemons import ROOT
+from tests.daemons import in_checkout
 
 _PROBE = """
 import gc
@@ -22,10 +20,7 @@ print(before, frozen, after, all(gc.is_tracked(x) for x in kept[:10]))
 
 def test_a_full_collection_walks_nothing_start_up_built() -> None:
     # its own process: a frozen heap would outlive this test in pytest's
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    out = in_checkout([sys.executable, "-c", _PROBE], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "heap_frozen" in out.stdout
     before, frozen, after, tracked = out.stdout.strip().splitlines()[-1].split()
