@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from daemon.kv.spec import FullAttentionSpec
+from daemon.models import huge_pages
 from daemon.models.base import KVExport, RequestState, SeqSlice
 from daemon.models.kv_transfer import export_blocks, import_blocks
 from kernels import paged_attention_cpu, prefill_attention_cpu
@@ -65,6 +66,14 @@ class AttentionBatch:
         return self.decode_mask.view(self.num_decodes, -1).sum(-1)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A layer's K or V: in huge pages on a CPU (decode attention reads its blocks from
+    anywhere in the pool)."""
+    if device.type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class PagedKVCache:
     """K and V of every layer in flat slots: slot = block * block_size + offset. One block past
     the pool's is scratch: padded rows of a CUDA-graph batch write their KV there.
@@ -78,10 +87,7 @@ class PagedKVCache:
         self.num_slots = num_blocks * spec.block_size
         shape = (self.num_slots + spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [
-            (
-                torch.zeros(shape, dtype=spec.dtype, device=device),
-                torch.zeros(shape, dtype=spec.dtype, device=device),
-            )
+            (_zeros(shape, spec.dtype, device), _zeros(shape, spec.dtype, device))
             for _ in range(spec.num_layers)
         ]
         probe = torch.empty(0, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
