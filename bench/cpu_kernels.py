@@ -1,12 +1,18 @@
 """Our C++ CPU kernels against the torch path they replace, side by side in one process.
 
     python -m bench.cpu_kernels attention [--dtypes bf16 fp32 --batches 1 16 64 --contexts 256 512 1024]
+    python -m bench.cpu_kernels scatter [--batch 64 --context 400 --block-sizes 16 64 --adjacency 1 0.81 0.6 0]
     python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
 64, blocks of 16 scattered over a pool), the C++ op vs gather + SDPA, alternating calls, medians.
+`scatter`: a decode step's paged attention over 30 layers, each with its own cache (so it reads
+from memory, not from the last level cache, as a step does), by how often a sequence's next
+block follows its last one in memory (adjacency 1: every table ascending; 0: blocks
+anywhere), caches in plain pages and in huge pages (`daemon.models.huge_pages`, the
+engine's), alternating, medians.
 `prefill`: one layer's causal prefill attention of a chunk of n tokens at the end of ctx
 (`n/ctx`), the C++ op vs `chunk_attention` (SDPA's flash kernel, as the engine called it
 before), GFLOP/s.
@@ -21,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 
 import torch
 
 from bench.common import STAT, Request, machine, make_workload, median_us, quiet_logs, run_ours
+from daemon.models import huge_pages
 from kernels import paged_attention_cpu
 from kernels.paged_attention_cpu import context_mask, paged_decode_attention, paged_decode_reference
 
@@ -75,6 +83,72 @@ def attention(args: argparse.Namespace) -> None:
                     f"{t['ref']:15.1f} {t['ref'] / t['op']:8.2f}x",
                     flush=True,
                 )
+
+
+def scatter_tables(batch: int, blocks: int, pool: int, adjacency: float, seed: int) -> torch.Tensor:
+    """[batch, blocks] block ids, all distinct, in a pool of `pool`: each sequence's next block
+    follows its last one in memory with probability `adjacency` (when that one is unused),
+    else comes from anywhere in the pool."""
+    rng = random.Random(seed)
+    order = list(range(pool))
+    rng.shuffle(order)
+    used: set[int] = set()
+    rows = []
+    for _ in range(batch):
+        row: list[int] = []
+        for i in range(blocks):
+            nxt = row[-1] + 1 if row else -1
+            if i and rng.random() < adjacency and nxt < pool and nxt not in used:
+                block = nxt
+            else:
+                block = order.pop()
+                while block in used:
+                    block = order.pop()
+            used.add(block)
+            row.append(block)
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def scatter(args: argparse.Namespace) -> None:
+    paged_attention_cpu.build()
+    hq, hkv, dim, layers, dtype = HQ, HKV, DIM, args.layers, DTYPES[args.dtype]
+    print(
+        f"paged decode attention over {layers} layers' own caches, {args.dtype}, batch "
+        f"{args.batch}, {args.context} positions, {hq}/{hkv} heads, head_dim {dim}, "
+        f"median ms a step of {args.reps}, {machine()}"
+    )
+    print("block size  adjacency  plain pages ms  huge pages ms  plain ÷ huge")
+    for bs in args.block_sizes:
+        blocks = -(-args.context // bs)
+        pool = 2 * args.batch * blocks  # room for tables to spread
+        shape = (pool * bs, hkv, dim)
+        g = torch.Generator().manual_seed(bs)
+        content = torch.randn(shape, generator=g).to(dtype)
+        caches = {
+            "plain": [(content.clone(), content.clone()) for _ in range(layers)],
+            "huge": [
+                tuple(huge_pages.zeros(shape, dtype).copy_(content) for _ in range(2))
+                for _ in range(layers)
+            ],
+        }
+        del content
+        q = torch.randn(args.batch, hq, dim, generator=g).to(dtype)
+        lens = torch.full((args.batch,), args.context)
+        for adj in args.adjacency:
+            tables = scatter_tables(args.batch, blocks, pool, adj, seed=bs)
+
+            def step(kind: str, tables=tables, q=q, lens=lens, bs=bs, caches=caches) -> object:
+                for k, v in caches[kind]:
+                    paged_decode_attention(q, k, v, tables, lens, dim**-0.5, bs)
+                return None
+
+            t = median_us({kind: lambda kind=kind: step(kind) for kind in caches}, args.reps)
+            print(
+                f"{bs:10d} {adj:10.2f} {t['plain'] / 1e3:15.2f} {t['huge'] / 1e3:14.2f} "
+                f"{t['plain'] / t['huge']:12.2f}x",
+                flush=True,
+            )
 
 
 def prefill(args: argparse.Namespace) -> None:
@@ -220,6 +294,14 @@ def main() -> None:
     a.add_argument("--contexts", nargs="+", type=int, default=[256, 512, 1024])
     a.add_argument("--reps", type=int, default=15)
     a.add_argument("--stat", choices=list(STAT), default="median")
+    sc = sub.add_parser("scatter")
+    sc.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    sc.add_argument("--batch", type=int, default=64)
+    sc.add_argument("--context", type=int, default=400)
+    sc.add_argument("--layers", type=int, default=30)
+    sc.add_argument("--block-sizes", nargs="+", type=int, default=[16, 64])
+    sc.add_argument("--adjacency", nargs="+", type=float, default=[1.0, 0.95, 0.81, 0.6, 0.0])
+    sc.add_argument("--reps", type=int, default=9)
     pf = sub.add_parser("prefill")
     pf.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     pf.add_argument("--chunks", nargs="+", default=["256/256", "2000/2000", "32/300", "256/1024"])
@@ -243,6 +325,8 @@ def main() -> None:
     quiet_logs()
     if args.what == "attention":
         attention(args)
+    elif args.what == "scatter":
+        scatter(args)
     elif args.what == "prefill":
         prefill(args)
     elif args.what == "sampling":
