@@ -117,7 +117,7 @@ class KVManager:
         tables = self.tables.setdefault(request_id, [[] for _ in self.groups])
         for table, pool, m in zip(tables, self.pools, missing):
             if m > 0:
-                table.extend(pool.allocate(m))
+                table.extend(pool.allocate(m, table[-1] if table else None))
         return True
 
     # ---- prefix cache ---------------------------------------------------------------------
@@ -135,7 +135,9 @@ class KVManager:
         if any(self.pools[i].num_free == 0 for i in self.paged) or key in self.cached:
             return None
         tables = self.tables.setdefault(request_id, [[] for _ in self.groups])
-        blocks = [self.pools[i].allocate(1)[0] for i in self.paged]
+        blocks = [
+            self.pools[i].allocate(1, tables[i][-1] if tables[i] else None)[0] for i in self.paged
+        ]
         for i, block in zip(self.paged, blocks):
             tables[i].append(block)
             self._key_of[i][block] = key
@@ -183,7 +185,7 @@ class KVManager:
         for table, kind, pool in zip(tables, self.kinds, self.pools):
             keep = kind.blocks_for(num_tokens)
             while len(table) > keep:
-                pool.decref(table.pop())
+                pool.decref(table.pop(), keeps_content=False)
 
     def free(self, request_id: str) -> None:
         tables = self.tables.pop(request_id, None)
