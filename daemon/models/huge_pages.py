@@ -1,5 +1,6 @@
 """Host tensors in transparent huge pages: a CPU KV cache read block by block from scattered
-places stalls on TLB misses in 4 KiB pages (paged decode attention ~25 % slower)."""
+places walks page tables in 4 KiB pages (a decode step's attention 3-6 % slower from memory,
+`bench.cpu_kernels scatter`)."""
 
 from __future__ import annotations
 
