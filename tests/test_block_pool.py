@@ -9,6 +9,14 @@ from daemon.kv.block_pool import BlockPool
 from daemon.kv.manager import KVManager
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 
+SPEC = FullAttentionSpec(
+    block_size=4, num_layers=1, dtype=torch.float32, num_kv_heads=1, head_dim=2
+)
+
+
+def _kv(num_blocks: int) -> KVManager:
+    return KVManager([KVGroup(SPEC, (0,))], num_blocks * SPEC.bytes_per_block)
+
 
 def _three_requests() -> BlockPool:
     """A holds 0-1, B held 2-3 and C held 4-15; B, then C, finished (tail first each)."""
@@ -61,10 +69,7 @@ def test_the_continuing_blocks_come_first_and_the_rest_ascending() -> None:
 
 
 def test_the_kv_manager_grows_a_table_forward_in_memory() -> None:
-    spec = FullAttentionSpec(
-        block_size=4, num_layers=1, dtype=torch.float32, num_kv_heads=1, head_dim=2
-    )
-    kv = KVManager([KVGroup(spec, (0,))], 16 * spec.bytes_per_block)
+    kv = _kv(16)
     assert kv.grow("a", 8) and kv.grow("b", 8) and kv.grow("c", 40) and kv.grow("d", 8)
     for name in ("d", "b", "c"):  # d's blocks, 14 and 15, head the LRU
         kv.free(name)
@@ -73,10 +78,7 @@ def test_the_kv_manager_grows_a_table_forward_in_memory() -> None:
 
 
 def test_a_request_grows_back_into_the_block_its_rejected_drafts_gave_back() -> None:
-    spec = FullAttentionSpec(
-        block_size=4, num_layers=1, dtype=torch.float32, num_kv_heads=1, head_dim=2
-    )
-    kv = KVManager([KVGroup(spec, (0,))], 8 * spec.bytes_per_block)
+    kv = _kv(8)
     assert kv.grow("a", 8) and kv.grow("a", 12)  # drafts past a block boundary: block 2
     assert kv.grow("b", 8)  # 3, 4
     kv.free("b")
