@@ -43,6 +43,19 @@ def test_a_growing_request_continues_its_last_block_when_that_one_is_old_and_fre
     assert pool.allocate(3, after=3) == [13, 14, 15]
 
 
+def test_a_run_takes_no_block_with_content_while_an_empty_one_is_left() -> None:
+    taken: list[int] = []
+    pool = BlockPool(16, on_reuse=taken.append)
+    pool.allocate(2)  # A: 0, 1
+    b = pool.allocate(2)  # B: 2, 3, freed head first: 2 is the oldest block with content
+    for block in b:
+        pool.decref(block)
+    taken.clear()
+    # 4-15 never held anything: A grows into them, and B's blocks stay for a prefix hit
+    assert pool.allocate(2, after=1) == [4, 5]
+    assert taken == [4, 5]
+
+
 def test_a_recently_freed_neighbour_keeps_its_turn() -> None:
     pool = _three_requests()  # freed 15 .. 4 (C), then 3, 2 (B): 2 is the newest free block
     assert pool.allocate(1, after=1) == [15]  # the LRU's head, not block 2

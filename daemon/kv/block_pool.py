@@ -10,8 +10,11 @@ that runs forward (`bench.cpu_kernels scatter`). So an allocation continues a ru
 can: after the LRU's pick (or the request's last block) it takes the next block in memory
 if that one is free and in the older half of the free list by the time it was freed, so a
 block freed recently, whose content the prefix cache is likelier to be asked for, is not
-taken out of turn. One allocation's blocks go out ascending (a request frees its tail
-first, so they come back descending); those continuing the request's last block first.
+taken out of turn; nor is any block with content while the LRU's head holds nothing (the
+blocks never used head the free list). A block that holds nothing (never used, or a rejected
+draft's, which stays at the LRU's tail for its request to grow back into) a run takes anyway.
+One allocation's blocks go out ascending (a request frees its tail first, so they come back
+descending); those continuing the request's last block first.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._on_reuse = on_reuse
-        self._clock = 0  # frees so far
-        self._freed_at = [0] * num_blocks  # the clock when each block was last freed
+        self._clock = 0  # frees of blocks with content so far
+        # the clock when each block was last freed; 0: it holds nothing of use
+        self._freed_at = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -66,9 +70,12 @@ class BlockPool:
         return blocks[:continuing] + sorted(blocks[continuing:])
 
     def _spare(self, block: int, old: int) -> bool:
-        return (
-            block < self.num_blocks and self.ref_counts[block] == 0 and self._freed_at[block] <= old
-        )
+        if block >= self.num_blocks or self.ref_counts[block] != 0:
+            return False
+        if self._freed_at[block] == 0:
+            return True  # holds nothing
+        # content only where the LRU's head is content too (see the module)
+        return self._freed_at[next(iter(self._free))] != 0 and self._freed_at[block] <= old
 
     def take(self, block: int) -> None:
         """Reference a block by id: a free one (cached content) leaves the free list."""
@@ -83,13 +90,16 @@ class BlockPool:
 
     def decref(self, block: int, keeps_content: bool = True) -> None:
         """Drop a reference; the last one frees the block. `keeps_content=False`: what it holds
-        is of no use to anyone (a rejected draft's KV), so it counts as long free: a request
-        that grows again continues into it (see the module)."""
+        is of no use to anyone (a rejected draft's KV): a request that grows again continues into
+        it (see the module)."""
         count = self.ref_counts[block]
         if count <= 0:
             raise ValueError(f"block {block} freed twice")
         self.ref_counts[block] = count - 1
         if count == 1:
             self._free[block] = None
-            self._clock += 1
-            self._freed_at[block] = self._clock if keeps_content else 0
+            if keeps_content:
+                self._clock += 1
+                self._freed_at[block] = self._clock
+            else:
+                self._freed_at[block] = 0
