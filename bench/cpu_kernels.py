@@ -2,6 +2,7 @@
 
     python -m bench.cpu_kernels attention [--dtypes bf16 fp32 --batches 1 16 64 --contexts 256 512 1024]
     python -m bench.cpu_kernels scatter [--batch 64 --context 400 --block-sizes 16 64 --adjacency 1 0.81 0.6 0]
+    python -m bench.cpu_kernels verify [--batch 64 --context 400 --drafts 0 1 2 4 8]
     python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
@@ -13,6 +14,10 @@ from memory, not from the last level cache, as a step does), by how often a sequ
 block follows its last one in memory (adjacency 1: every table ascending; 0: blocks
 anywhere), caches in plain pages and in huge pages (`daemon.models.huge_pages`, the
 engine's), alternating, medians.
+`verify`: the same step where each sequence verifies k drafts (1 + k rows, one a position,
+as the runner lays them out): the rows of a request side by side, which the op reads as one
+span (each chunk of K/V from memory once), against the same rows interleaved across requests
+(every row reads its context itself, as the op did before spans), alternating, medians.
 `prefill`: one layer's causal prefill attention of a chunk of n tokens at the end of ctx
 (`n/ctx`), the C++ op vs `chunk_attention` (SDPA's flash kernel, as the engine called it
 before), GFLOP/s.
@@ -149,6 +154,52 @@ def scatter(args: argparse.Namespace) -> None:
                 f"{t['plain'] / t['huge']:12.2f}x",
                 flush=True,
             )
+
+
+def verify(args: argparse.Namespace) -> None:
+    paged_attention_cpu.build()
+    hq, hkv, dim, layers, dtype, bs = HQ, HKV, DIM, args.layers, DTYPES[args.dtype], 16
+    print(
+        f"paged decode attention with verify rows over {layers} layers' own caches (huge "
+        f"pages), {args.dtype}, {args.batch} sequences at {args.context} positions, tables at "
+        f"adjacency {args.adjacency}, median ms a step of {args.reps}, {machine()}"
+    )
+    print("drafts  rows  spans ms  interleaved ms  interleaved ÷ spans  ms a row (spans)")
+    blocks = -(-(args.context + max(args.drafts)) // bs)
+    pool = 2 * args.batch * blocks
+    shape = (pool * bs, hkv, dim)
+    g = torch.Generator().manual_seed(0)
+    content = torch.randn(shape, generator=g).to(dtype)
+    caches = [
+        tuple(huge_pages.zeros(shape, dtype).copy_(content) for _ in range(2))
+        for _ in range(layers)
+    ]
+    del content
+    tables = scatter_tables(args.batch, blocks, pool, args.adjacency, seed=0)
+    for k in args.drafts:
+        rows = k + 1
+        # row (b, j): sequence b's position context + j
+        by_request = torch.arange(args.batch).repeat_interleave(rows)
+        lens = torch.arange(rows).repeat(args.batch) + args.context - k
+        interleave = torch.arange(args.batch * rows).view(args.batch, rows).t().flatten()
+        q = torch.randn(args.batch * rows, hq, dim, generator=g).to(dtype)
+        layouts = {
+            "spans": (q, tables[by_request], lens),
+            "interleaved": (q[interleave], tables[by_request[interleave]], lens[interleave]),
+        }
+
+        def step(kind: str, layouts=layouts) -> object:
+            qq, tt, ll = layouts[kind]
+            for kc, vc in caches:
+                paged_decode_attention(qq, kc, vc, tt, ll, dim**-0.5, bs)
+            return None
+
+        t = median_us({kind: lambda kind=kind: step(kind) for kind in layouts}, args.reps)
+        print(
+            f"{k:6d} {args.batch * rows:5d} {t['spans'] / 1e3:9.2f} {t['interleaved'] / 1e3:15.2f} "
+            f"{t['interleaved'] / t['spans']:19.2f}x {t['spans'] / 1e3 / (args.batch * rows):17.3f}",
+            flush=True,
+        )
 
 
 def prefill(args: argparse.Namespace) -> None:
@@ -302,6 +353,14 @@ def main() -> None:
     sc.add_argument("--block-sizes", nargs="+", type=int, default=[16, 64])
     sc.add_argument("--adjacency", nargs="+", type=float, default=[1.0, 0.95, 0.81, 0.6, 0.0])
     sc.add_argument("--reps", type=int, default=9)
+    vf = sub.add_parser("verify")
+    vf.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    vf.add_argument("--batch", type=int, default=64)
+    vf.add_argument("--context", type=int, default=400)
+    vf.add_argument("--layers", type=int, default=30)
+    vf.add_argument("--adjacency", type=float, default=0.81)
+    vf.add_argument("--drafts", nargs="+", type=int, default=[0, 1, 2, 4, 8])
+    vf.add_argument("--reps", type=int, default=9)
     pf = sub.add_parser("prefill")
     pf.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
     pf.add_argument("--chunks", nargs="+", default=["256/256", "2000/2000", "32/300", "256/1024"])
@@ -327,6 +386,8 @@ def main() -> None:
         attention(args)
     elif args.what == "scatter":
         scatter(args)
+    elif args.what == "verify":
+        verify(args)
     elif args.what == "prefill":
         prefill(args)
     elif args.what == "sampling":

@@ -1,7 +1,7 @@
 """The C++ paged decode attention (kernels/paged_attention_cpu.py) against its torch reference
 (gather the blocks, then SDPA): fp32 and bf16, GQA, ragged contexts, padded block tables, the
-vector and the scalar kernels, pieces of context merged, inside torch.compile, and in
-`paged_attention` beside prefill chunks."""
+vector and the scalar kernels, pieces of context merged, a request's verify rows read as one
+span, inside torch.compile, and in `paged_attention` beside prefill chunks."""
 
 from __future__ import annotations
 
@@ -72,6 +72,58 @@ def test_context_cut_in_pieces_merges_to_the_same(dtype: torch.dtype, splits: in
     q, kc, vc, tables, lens = make_case([300, 1, 40], 9, 3, 64, dtype, seed=splits)
     got = paged_decode_attention(q, kc, vc, tables, lens, 0.125, BLOCK, splits=splits)
     torch.testing.assert_close(got.float(), reference(q, kc, vc, tables, lens), **TOLERANCE[dtype])
+
+
+def verify_rows(table: list[int], start: int, drafts: int) -> list[tuple[list[int], int]]:
+    """A request's rows when it verifies `drafts` tokens after `start` known positions."""
+    return [(table, start + j + 1) for j in range(drafts + 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("generic", [False, True], ids=["vector", "scalar"])
+def test_verify_rows_of_one_table_give_what_each_row_alone_gives(
+    dtype: torch.dtype, generic: bool
+) -> None:
+    """Rows that share their table (a request's verify rows) are read as one span: the same
+    bits as each row on its own, and the reference's values."""
+    hq, hkv, dim = 9, 3, 64
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(NUM_BLOCKS * BLOCK, hkv, dim, generator=g).to(dtype)
+    vc = torch.randn(NUM_BLOCKS * BLOCK, hkv, dim, generator=g).to(dtype)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    a, b, c, d = perm[:12], perm[12:24], perm[24:36], perm[36:48]
+    ctx = (
+        [(a, 40)]
+        + verify_rows(b, 14, 8)  # across a block's end
+        + [(b[:2] + perm[48:58], 150)]  # shares b's first blocks, then its own
+        + verify_rows(c, 100, 19)  # more rows than a span takes
+        + [(d, 33), (d, 17), (d, 35), (a, 9)]  # not in order; then back to a
+    )
+    batch = build_attention_batch(ctx, [], [], BLOCK)
+    tables, lens = batch.decode_tables, batch.decode_lens
+    q = torch.randn(len(ctx), hq, dim, generator=g).to(dtype)
+    for splits in (0, 1, 3):
+        got = paged_decode_attention(
+            q, kc, vc, tables, lens, dim**-0.5, BLOCK, splits=splits, generic=generic
+        )
+        want = reference(q, kc, vc, tables, lens)
+        torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+        if splits == 1:  # (pieces of a span are cut by its longest row: not the same bits)
+            alone = [
+                paged_decode_attention(
+                    q[i : i + 1],
+                    kc,
+                    vc,
+                    tables[i : i + 1],
+                    lens[i : i + 1],
+                    dim**-0.5,
+                    BLOCK,
+                    splits=splits,
+                    generic=generic,
+                )  # fmt: skip
+                for i in range(len(ctx))
+            ]
+            assert torch.equal(got, torch.cat(alone))
 
 
 def test_single_short_sequence_and_odd_head_dim() -> None:

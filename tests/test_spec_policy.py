@@ -390,8 +390,20 @@ def test_cost_table_prices_a_rows_context() -> None:
     assert steep.seconds(4, 4, 0, 0) == 1.0  # the cheapest measured step
     back = CostTable.from_json(t.to_json())
     assert back == t and back.context == 128 and back.context_seconds == 1e-3
+    assert back.draft_context_seconds is None  # draft rows as decode rows
     with pytest.raises(ValueError, match="context"):
         CostTable(table().rows, context_seconds=-1.0)
+    with pytest.raises(ValueError, match="context"):
+        CostTable(table().rows, draft_context_seconds=-1.0)
+
+
+def test_cost_table_prices_a_draft_rows_context_apart() -> None:
+    """Draft rows that read their request's context with its decode row cost less a position:
+    `draft_context_seconds`, kept through JSON."""
+    t = CostTable(table().rows, context=128, context_seconds=1e-3, draft_context_seconds=2e-4)
+    assert t.seconds(12, 4, 2, 228) == pytest.approx(6.0 + 100 * (4 * 1e-3 + 2 * 2e-4))
+    back = CostTable.from_json(t.to_json())
+    assert back == t and back.draft_context_seconds == 2e-4
 
 
 def test_adaptive_prices_drafts_at_the_steps_context() -> None:

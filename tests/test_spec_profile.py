@@ -79,24 +79,31 @@ def test_profile_leaves_out_batches_the_pool_cannot_hold(tmp_path) -> None:
 
 
 def test_profile_prices_a_rows_context(tmp_path, monkeypatch) -> None:
-    """Decode steps at CONTEXT and LONG_CONTEXT positions give what a row costs per position,
-    on a quarter as many sequences where the pool cannot hold the batch that long (40 blocks:
-    4 sequences of 513 positions do not fit, 1 does)."""
+    """Decode and verify steps at CONTEXT and LONG_CONTEXT positions give what a decode row and
+    a draft row cost per position, on a quarter as many sequences where the pool cannot hold
+    the batch that long (40 blocks: 4 sequences of 516 positions do not fit, 1 does)."""
     runner, kv = _engine_parts(make_dense_checkpoint(tmp_path), tokens=40 * 16)
-    long_steps: list[int] = []
+    long_steps: list[tuple[int, int]] = []
 
-    def timed(runner, kv, step, repeats, budget) -> float:  # 1 ms a row, 2 us a row-position
-        decodes = [s for s in step.seqs if s.is_decode]
-        if any(s.start == LONG_CONTEXT for s in decodes):
-            long_steps.append(len(step.seqs))
-        return 1e-3 * sum(s.num_tokens for s in step.seqs) + 2e-6 * sum(s.start for s in decodes)
+    def timed(runner, kv, step, repeats, budget) -> float:
+        # 1 ms a row; a position of context: 2 us a decode row, 0.5 us a draft row
+        if any(s.start == LONG_CONTEXT for s in step.seqs):
+            long_steps.append((len(step.seqs), sum(len(s.draft) for s in step.seqs)))
+        return sum(
+            1e-3 * s.num_tokens + (2e-6 + 5e-7 * len(s.draft)) * s.start
+            for s in step.seqs
+            if s.is_decode or s.draft
+        )
 
     monkeypatch.setattr(spec_profile, "_time", timed)
     table = profile(runner, kv, MAX_SEQS, 96, k=3, repeats=1, point_seconds=0.05)
-    assert long_steps == [1]
+    assert long_steps == [(1, 0), (1, 3)]  # one sequence: a decode, then 3 drafts verified
     assert table.context == CONTEXT and table.context_seconds == pytest.approx(2e-6)
-    base = table.seconds(4, 4)
-    assert table.seconds(4, 4, 0, CONTEXT + 100) == pytest.approx(base + 4 * 100 * 2e-6)
+    assert table.draft_context_seconds == pytest.approx(5e-7)
+    base = table.seconds(8, 4, 4)
+    assert table.seconds(8, 4, 4, CONTEXT + 100) == pytest.approx(
+        base + 100 * (4 * 2e-6 + 4 * 5e-7)
+    )
     assert all(u.num_free == u.num_blocks for u in kv.usage())
 
 

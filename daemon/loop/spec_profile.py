@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 PROFILE_ID = "spec-profile-{}"
 CONTEXT = 128  # positions each synthetic sequence has computed before its decode / verify rows
-LONG_CONTEXT = 4 * CONTEXT  # decode steps timed here too: what a row costs per position
+LONG_CONTEXT = 4 * CONTEXT  # decode and verify steps timed here too: a row's cost a position
 
 
 @dataclass
@@ -54,7 +54,8 @@ def profile(
     points, so choosing any draft for a sequence is charged its passes, spread over its first
     drafts' tokens by the table's interpolation. The synthetic drafts are all rejected: their snapshot
     and restore (`rollback_seconds`, timed apart) are taken out of the verify points; decode
-    steps at a longer context give what a row costs per position (`context_seconds`). Each
+    and verify steps at a longer context give what a decode row and a draft row cost per
+    position (`context_seconds`, `draft_context_seconds`). Each
     point is the median of up to `repeats` runs after an untimed one, fewer once the point has
     taken `point_seconds` (a first run that long is its own measurement); each row is then made
     non-decreasing in tokens, against the noise of a shared machine. Must run before any
@@ -86,8 +87,8 @@ def profile(
                 seconds = max(seconds - rollback * point.num_seqs, measured[0])
             tokens.append(point.num_tokens)
             measured.append(seconds)
-        per_position = _context_seconds(
-            runner, kv, reqs, fitted, runner.vocab_size, repeats, point_seconds
+        per_position, per_draft_position = _context_seconds(
+            runner, kv, reqs, fitted, k, drafts, runner.vocab_size, repeats, point_seconds
         )
     finally:
         for req in reqs:
@@ -103,6 +104,7 @@ def profile(
         runner.device.type,
         CONTEXT,
         per_position,
+        per_draft_position,
     )
     log.info(
         "spec step costs",
@@ -119,26 +121,39 @@ def _context_seconds(
     kv: KVManager,
     reqs: list[Request],
     seqs: int,
+    k: int,
+    drafts: int,
     vocab_size: int,
     repeats: int,
     budget: float,
-) -> float:
-    """What a decode row costs per position of context: decode steps of `seqs` sequences
-    at CONTEXT and at LONG_CONTEXT positions, back to back (a quarter as many sequences
-    while the pool cannot hold them that long); 0 where not even one fits. The grid's
-    blocks are given back first."""
+) -> tuple[float, float | None]:
+    """What a decode row and a draft row cost per position of context: decode steps of `seqs`
+    sequences at CONTEXT and at LONG_CONTEXT positions, and steps where each verifies `k`
+    drafts (drafting `drafts` more, as the grid's verify points), back to back (a quarter as
+    many sequences while the pool cannot hold them that long); (0, None) where not even one
+    fits. The grid's blocks are given back first."""
     for req in reqs:
         kv.free(req.request_id)
-    while seqs >= 1 and not all(kv.grow(r.request_id, LONG_CONTEXT + 1) for r in reqs[:seqs]):
+    positions = LONG_CONTEXT + k + 1 + drafts
+    while seqs >= 1 and not all(kv.grow(r.request_id, positions) for r in reqs[:seqs]):
         for req in reqs[:seqs]:
             kv.free(req.request_id)
         seqs //= 4
     if seqs < 1:
-        return 0.0
-    point = _Point(seqs, 1, seqs)
-    short = _time(runner, kv, _step(reqs, point, vocab_size), repeats, budget)
-    long = _time(runner, kv, _step(reqs, point, vocab_size, context=LONG_CONTEXT), repeats, budget)
-    return max(0.0, (long - short) / (seqs * (LONG_CONTEXT - CONTEXT)))
+        return 0.0, None
+
+    def slope(point: _Point) -> float:  # seconds a position of context more, the whole step
+        at = {
+            ctx: _time(runner, kv, _step(reqs, point, vocab_size, drafts, ctx), repeats, budget)
+            for ctx in (CONTEXT, LONG_CONTEXT)
+        }
+        return (at[LONG_CONTEXT] - at[CONTEXT]) / (LONG_CONTEXT - CONTEXT)
+
+    per_position = max(0.0, slope(_Point(seqs, 1, seqs)) / seqs)
+    if k < 1:
+        return per_position, None
+    verify = slope(_Point(seqs, k + 1, seqs * (k + 1))) / seqs  # a decode row and k draft rows
+    return per_position, max(0.0, (verify - per_position) / k)
 
 
 def _time(

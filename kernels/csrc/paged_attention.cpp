@@ -1,7 +1,9 @@
-// Paged decode attention on CPU that reads K/V blocks in place: one query token per sequence,
-// GQA, fp32 or bf16 caches, fp32 accumulation and an online softmax. Parallel over (sequence,
-// piece of its context); a task takes every KV head of each 16-token chunk in turn, so a
-// chunk's rows are read side by side. Pieces of one context are merged at the end.
+// Paged decode attention on CPU that reads K/V blocks in place: one query token per row, GQA,
+// fp32 or bf16 caches, fp32 accumulation and an online softmax. Consecutive rows whose tables
+// agree (a request's verify rows: one per draft position) form a span that reads each chunk
+// of K/V from memory once for all its rows. Parallel over (span, piece of its context); a
+// task takes every KV head of each 16-token chunk in turn, so a chunk's rows are read side by
+// side. Pieces of one context are merged at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,21 +46,38 @@ struct Problem {
   const int64_t* lens;    // [B]
 };
 
-// The softmax state of one (sequence, KV head, context piece) lives in `state`: acc [G, D]
+// The rows a task attends: `rows` consecutive ones from `first`, every one reading the blocks
+// of `table` (its longest row's); row r's query at q + r * q_step, its state (below) at
+// state + r * state_step, and it attends the task's positions below lens[first + r].
+struct Span {
+  int64_t first;
+  int rows;
+  const int64_t* table;
+  int64_t q_step, state_step;
+};
+
+// The softmax state of one (row, KV head, context piece) lives in `state`: acc [G, D]
 // (sum of p * v), then m [G] (running max) and l [G] (running sum of p); a task starts it
-// with acc = l = 0, m = -inf. A task attends tokens [begin, end) of one sequence for every KV
-// head, head h's state at state + h * head_step.
+// with acc = l = 0, m = -inf. A task attends tokens [begin, end) of one span for every KV
+// head: its first row's state at `state` (head h's at state + h * head_step), its first
+// row's query at `q`.
 template <typename T>
-using AttendFn = void (*)(const Problem&, const T* q, const T* kc, const T* vc, int64_t b,
-                          int64_t begin, int64_t end, float* state, int64_t head_step);
+using AttendFn = void (*)(const Problem&, const Span& sp, const T* q, const T* kc,
+                          const T* vc, int64_t begin, int64_t end, float* state,
+                          int64_t head_step);
 
 // Scalar kernel (any head_dim, any group).
 template <typename T>
-void attend_generic(const Problem& pb, const T* q, const T* kc, const T* vc, int64_t b,
-                    int64_t begin, int64_t end, float* state, int64_t head_step) {
+void attend_generic(const Problem& pb, const Span& sp, const T* q_span, const T* kc,
+                    const T* vc, int64_t begin, int64_t span_end, float* state_span,
+                    int64_t head_step) {
   const int64_t G = pb.group, D = pb.dim, bs = pb.block_size;
   std::vector<float> qf(G * D);
-  const int64_t* table = pb.tables + b * pb.max_blocks;
+  const int64_t* table = sp.table;
+  for (int r = 0; r < sp.rows; ++r) {
+  const T* q = q_span + r * sp.q_step;
+  float* state = state_span + r * sp.state_step;
+  const int64_t end = std::min(span_end, pb.lens[sp.first + r]);
   for (int64_t h = 0; h < pb.hkv; ++h) {
     float* acc_all = state + h * head_step;
     float* m = acc_all + G * D;
@@ -80,6 +99,7 @@ void attend_generic(const Problem& pb, const T* q, const T* kc, const T* vc, int
         m[g] = m_new;
       }
     }
+  }
   }
 }
 
@@ -216,8 +236,9 @@ inline void unpermute(float* acc) {
 }
 
 template <typename T, int D, int G>
-void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int64_t b,
-                   int64_t begin, int64_t end, float* state, int64_t head_step) {
+void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* kc,
+                   const T* vc, int64_t begin, int64_t end, float* state_span,
+                   int64_t head_step) {
   constexpr int V = D / 16;  // fp32 vectors per row
   // bf16 caches take P.V by dpbf16 (accumulate_v_pairs); the state is in its lane order
   // until the task's last chunk (it starts at zero, which any order holds)
@@ -225,7 +246,7 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
   const int64_t bs = pb.block_size, hkv = pb.hkv, row_stride = hkv * D;
   const __m512 scale = _mm512_set1_ps(pb.scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const int64_t* table = pb.tables + b * pb.max_blocks;
+  const int64_t* table = sp.table;
   alignas(64) float probs[G][kChunk];
   __m512 part[G][kChunk];
   for (int64_t t0 = begin; t0 < end;) {
@@ -233,7 +254,6 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
     const int64_t first = table[t0 / bs] * bs + t0 % bs;
     const int64_t block_end = std::min(end, (t0 / bs + 1) * bs);
     const int n = static_cast<int>(std::min<int64_t>(kChunk, block_end - t0));
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     if (t0 + n < end) {  // the next chunk's rows, every head's, while this one computes
       const int64_t t1 = t0 + n;
       const int64_t next = table[t1 / bs] * bs + t1 % bs;
@@ -246,18 +266,25 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
         _mm_prefetch(vn + off, _MM_HINT_T0);
       }
     }
-    for (int64_t h = 0; h < hkv; ++h) {
-      float* acc_mem = state + h * head_step;
+    // each row of the span scores the chunk while it sits in L1, up to its own length
+    for (int64_t h = 0; h < hkv; ++h)
+    for (int r = 0; r < sp.rows; ++r) {
+      const int64_t row_end = std::min(t0 + n, pb.lens[sp.first + r]);
+      if (row_end <= t0) continue;
+      const int n_r = static_cast<int>(row_end - t0);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n_r) - 1);
+      const T* q = q_span + r * sp.q_step;
+      float* acc_mem = state_span + r * sp.state_step + h * head_step;
       float* m = acc_mem + G * D;
       float* l = m + G;
       QueryRegs<T, D> qr[G];
       for (int g = 0; g < G; ++g) qr[g].load(q + (h * G + g) * D);
       const T* krow = kc + (first * hkv + h) * D;
-      for (int j = 0; j < n; ++j, krow += row_stride)
+      for (int j = 0; j < n_r; ++j, krow += row_stride)
         for (int g = 0; g < G; ++g) part[g][j] = qr[g].dot(krow);
       __m512 acc[G][V];
       for (int g = 0; g < G; ++g) {
-        for (int j = n; j < kChunk; ++j) part[g][j] = _mm512_setzero_ps();
+        for (int j = n_r; j < kChunk; ++j) part[g][j] = _mm512_setzero_ps();
         __m512 s = _mm512_mul_ps(hsum16(part[g]), scale);
         s = _mm512_mask_blend_ps(valid, neg_inf, s);
         const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
@@ -277,10 +304,10 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
       const T* vrow = vc + (first * hkv + h) * D;
       if constexpr (kPairs) {
         float sums[G];
-        accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n, row_stride);
+        accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n_r, row_stride);
         for (int g = 0; g < G; ++g) l[g] += sums[g];
       } else {
-        accumulate_v<T, D, G>(acc, probs, vrow, n, row_stride);
+        accumulate_v<T, D, G>(acc, probs, vrow, n_r, row_stride);
       }
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * D + 16 * i, acc[g][i]);
@@ -288,8 +315,10 @@ void attend_avx512(const Problem& pb, const T* q, const T* kc, const T* vc, int6
     t0 += n;
   }
   if constexpr (kPairs)
-    for (int64_t h = 0; h < hkv; ++h)
-      for (int g = 0; g < G; ++g) unpermute<D>(state + h * head_step + g * D);
+    for (int r = 0; r < sp.rows; ++r)
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int g = 0; g < G; ++g)
+          unpermute<D>(state_span + r * sp.state_step + h * head_step + g * D);
 }
 
 #endif  // DEEPINFER_AVX512
@@ -354,31 +383,63 @@ void merge(const float* st, int64_t pieces, int64_t stride, int64_t G, int64_t D
   }
 }
 
+// Spans of consecutive rows that may read one table: every row's blocks are the first ones of
+// the span's longest row (a request's verify rows; rows of requests that share their whole
+// context too, which is as correct). At most kMaxRows rows a span.
+constexpr int kMaxRows = 16;
+
+std::vector<Span> find_spans(const Problem& pb, int64_t batch, int64_t q_step,
+                             int64_t state_step) {
+  const int64_t bs = pb.block_size;
+  auto blocks = [&](int64_t b) { return (pb.lens[b] + bs - 1) / bs; };
+  auto table = [&](int64_t b) { return pb.tables + b * pb.max_blocks; };
+  std::vector<Span> spans;
+  int64_t b = 0;
+  while (b < batch) {
+    int64_t longest = b, e = b + 1;
+    for (; e < batch && e - b < kMaxRows; ++e) {
+      const int64_t common = std::min(blocks(e), blocks(longest));
+      if (!std::equal(table(e), table(e) + common, table(longest))) break;
+      if (pb.lens[e] > pb.lens[longest]) longest = e;
+    }
+    spans.push_back(Span{b, static_cast<int>(e - b), table(longest), q_step, state_step});
+    b = e;
+  }
+  return spans;
+}
+
 template <typename T>
 void run(const Problem& pb, const T* q, const T* kc, const T* vc, T* o, int64_t batch,
-         int64_t splits, bool use_generic) {
+         int64_t splits, bool use_generic, const std::vector<Span>& spans) {
   const int64_t G = pb.group, D = pb.dim, hkv = pb.hkv, bs = pb.block_size;
   const AttendFn<T> attend = use_generic ? attend_generic<T> : pick_kernel<T>(D, G);
   // state of (b, h, s) at ((b * hkv + h) * splits + s) * stride
   const int64_t stride = G * (D + 2);
   std::vector<float> states(batch * hkv * splits * stride);
-  at::parallel_for(0, batch * splits, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+  at::parallel_for(0, num_spans * splits, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / splits, s = task % splits;
-      const int64_t len = pb.lens[b];
+      const Span& sp = spans[task / splits];
+      const int64_t s = task % splits;
+      int64_t len = 0;  // the span's longest row
+      for (int r = 0; r < sp.rows; ++r) len = std::max(len, pb.lens[sp.first + r]);
       const int64_t per = ((len + bs - 1) / bs + splits - 1) / splits;  // blocks per piece
       const int64_t begin = std::min(len, s * per * bs), end = std::min(len, (s + 1) * per * bs);
-      float* state = states.data() + (b * hkv * splits + s) * stride;
-      for (int64_t h = 0; h < hkv; ++h) {
-        float* st = state + h * splits * stride;
-        std::fill(st, st + G * D, 0.f);
-        std::fill(st + G * D, st + G * (D + 1), -std::numeric_limits<float>::infinity());
-        std::fill(st + G * (D + 1), st + stride, 0.f);
-      }
-      if (begin < end) attend(pb, q + b * hkv * G * D, kc, vc, b, begin, end, state, splits * stride);
+      float* state = states.data() + (sp.first * hkv * splits + s) * stride;
+      for (int r = 0; r < sp.rows; ++r)
+        for (int64_t h = 0; h < hkv; ++h) {
+          float* st = state + r * sp.state_step + h * splits * stride;
+          std::fill(st, st + G * D, 0.f);
+          std::fill(st + G * D, st + G * (D + 1), -std::numeric_limits<float>::infinity());
+          std::fill(st + G * (D + 1), st + stride, 0.f);
+        }
+      if (begin < end)
+        attend(pb, sp, q + sp.first * sp.q_step, kc, vc, begin, end, state, splits * stride);
       if (splits == 1)  // the only piece: normalise now
-        for (int64_t h = 0; h < hkv; ++h)
-          merge(state + h * stride, 1, stride, G, D, o + (b * hkv + h) * G * D);
+        for (int r = 0; r < sp.rows; ++r)
+          for (int64_t h = 0; h < hkv; ++h)
+            merge(state + r * sp.state_step + h * stride, 1, stride, G, D,
+                  o + ((sp.first + r) * hkv + h) * G * D);
     }
   });
   if (splits == 1) return;
@@ -437,16 +498,21 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   }
   Problem pb{hkv, hq / hkv, dim, block_size, max_blocks, static_cast<float>(scale),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
-  if (splits <= 0) splits = choose_splits(batch, max_blocks, 64 / block_size + 1);
+  // the spans do not depend on the splits: a row's states are hkv * splits * stride apart
+  const int64_t stride = pb.group * (dim + 2);
+  std::vector<Span> spans = find_spans(pb, batch, hq * dim, 0);
+  if (splits <= 0)
+    splits = choose_splits(static_cast<int64_t>(spans.size()), max_blocks, 64 / block_size + 1);
   splits = std::min(splits, kMaxPieces);
+  for (Span& sp : spans) sp.state_step = hkv * splits * stride;
   if (q.scalar_type() == at::kFloat) {
     run<float>(pb, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-               out.data_ptr<float>(), batch, splits, generic);
+               out.data_ptr<float>(), batch, splits, generic, spans);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
     run<at::BFloat16>(pb, q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                       v_cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), batch,
-                      splits, generic);
+                      splits, generic, spans);
   }
   return out;
 }

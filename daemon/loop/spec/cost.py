@@ -1,6 +1,6 @@
 """The step-cost table: step seconds measured on a grid of (num_tokens, num_seqs), interpolated
 piecewise linearly (extrapolated linearly past its ends), with a per-sequence rollback cost and
-what each decode or draft row costs per position of context beyond the grid's."""
+what each decode row, and each draft row, costs per position of context beyond the grid's."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ class CostTable:
     # draft row beside 32 decodes 0.6 ms at 128 positions, 0.8 at 384)
     context: int = 0
     context_seconds: float = 0.0
+    # the same for a draft row (None: as a decode row). On CPU a request's verify rows read
+    # each chunk of its context once for all of them (kernels/paged_attention_cpu.py): 64
+    # sequences at 400 positions verifying 8 drafts each, 30 layers' attention 88 ms, against
+    # 30 ms for their decodes alone and 204 ms with every row reading its context itself
+    draft_context_seconds: float | None = None
     _floor: float = field(init=False, repr=False, compare=False)
     _memo: dict[tuple[int, int], float] = field(
         init=False, repr=False, compare=False, default_factory=dict
@@ -69,8 +74,8 @@ class CostTable:
             raise ValueError("cost rows must have strictly ascending num_seqs")
         if self.rollback_seconds < 0:
             raise ValueError("rollback_seconds must be >= 0")
-        if self.context < 0 or self.context_seconds < 0:
-            raise ValueError("context and context_seconds must be >= 0")
+        if self.context < 0 or self.context_seconds < 0 or self.per_draft_position < 0:
+            raise ValueError("context, context_seconds and draft_context_seconds must be >= 0")
         self._floor = min(min(r.seconds) for r in self.rows)
 
     def seconds(
@@ -79,18 +84,25 @@ class CostTable:
         """The step's time without rollbacks (`rollback_seconds` is per verifying sequence).
         The grid prices every token beyond one per sequence alike; `num_drafts` of them are
         draft rows, which with the decodes attend `context` positions on average (None: the
-        grid's), each row `context_seconds` a position beyond the grid's (or less, short of
-        it)."""
+        grid's), each decode row `context_seconds` a position beyond the grid's (or less, short
+        of it), each draft row `draft_context_seconds`."""
         key = (num_tokens, num_seqs)
         value = self._memo.get(key)
         if value is None:
             if len(self._memo) >= MEMO_ENTRIES:
                 self._memo.clear()
             value = self._memo[key] = max(self._interpolate(num_tokens, num_seqs), self._floor)
-        if context is None or not self.context_seconds:
+        if context is None or not (self.context_seconds or self.per_draft_position):
             return value
-        rows = num_seqs + num_drafts
-        return max(value + self.context_seconds * rows * (context - self.context), self._floor)
+        per_position = self.context_seconds * num_seqs + self.per_draft_position * num_drafts
+        return max(value + per_position * (context - self.context), self._floor)
+
+    @property
+    def per_draft_position(self) -> float:
+        """What a draft row costs a position of context."""
+        if self.draft_context_seconds is None:
+            return self.context_seconds
+        return self.draft_context_seconds
 
     def _interpolate(self, num_tokens: int, num_seqs: int) -> float:
         rows = self.rows
@@ -109,6 +121,7 @@ class CostTable:
                 "rollback_seconds": self.rollback_seconds,
                 "context": self.context,
                 "context_seconds": self.context_seconds,
+                "draft_context_seconds": self.draft_context_seconds,
                 "rows": [
                     {"num_seqs": r.num_seqs, "num_tokens": r.num_tokens, "seconds": r.seconds}
                     for r in self.rows
@@ -131,6 +144,7 @@ class CostTable:
             str(data.get("device", "")),
             int(data.get("context", 0)),
             float(data.get("context_seconds", 0.0)),
+            None if (draft := data.get("draft_context_seconds")) is None else float(draft),
         )
 
 
