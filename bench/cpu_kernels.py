@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import random
 import statistics
 
@@ -115,6 +116,33 @@ def scatter_tables(batch: int, blocks: int, pool: int, adjacency: float, seed: i
     return torch.tensor(rows)
 
 
+def own_caches(
+    content: torch.Tensor, layers: int, huge: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`layers` (K, V) pairs, each its own copy of `content` (so a step over them reads from
+    memory, as a real one does, not from the last level cache); `huge`: in huge pages, as
+    the engine's (`daemon.models.huge_pages`)."""
+
+    def copy() -> torch.Tensor:
+        if huge:
+            return huge_pages.zeros(tuple(content.shape), content.dtype).copy_(content)
+        return content.clone()
+
+    return [(copy(), copy()) for _ in range(layers)]
+
+
+def attend_layers(
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    block_size: int,
+) -> None:
+    """One decode step's paged attention: the same rows over every layer's cache."""
+    for k, v in caches:
+        paged_decode_attention(q, k, v, tables, lens, q.shape[-1] ** -0.5, block_size)
+
+
 def scatter(args: argparse.Namespace) -> None:
     paged_attention_cpu.build()
     hq, hkv, dim, layers, dtype = HQ, HKV, DIM, args.layers, DTYPES[args.dtype]
@@ -130,25 +158,17 @@ def scatter(args: argparse.Namespace) -> None:
         shape = (pool * bs, hkv, dim)
         g = torch.Generator().manual_seed(bs)
         content = torch.randn(shape, generator=g).to(dtype)
-        caches = {
-            "plain": [(content.clone(), content.clone()) for _ in range(layers)],
-            "huge": [
-                tuple(huge_pages.zeros(shape, dtype).copy_(content) for _ in range(2))
-                for _ in range(layers)
-            ],
-        }
+        caches = {kind: own_caches(content, layers, kind == "huge") for kind in ("plain", "huge")}
         del content
         q = torch.randn(args.batch, hq, dim, generator=g).to(dtype)
         lens = torch.full((args.batch,), args.context)
         for adj in args.adjacency:
             tables = scatter_tables(args.batch, blocks, pool, adj, seed=bs)
-
-            def step(kind: str, tables=tables, q=q, lens=lens, bs=bs, caches=caches) -> object:
-                for k, v in caches[kind]:
-                    paged_decode_attention(q, k, v, tables, lens, dim**-0.5, bs)
-                return None
-
-            t = median_us({kind: lambda kind=kind: step(kind) for kind in caches}, args.reps)
+            steps = {
+                kind: functools.partial(attend_layers, layers_, q, tables, lens, bs)
+                for kind, layers_ in caches.items()
+            }
+            t = median_us(steps, args.reps)
             print(
                 f"{bs:10d} {adj:10.2f} {t['plain'] / 1e3:15.2f} {t['huge'] / 1e3:14.2f} "
                 f"{t['plain'] / t['huge']:12.2f}x",
@@ -170,10 +190,7 @@ def verify(args: argparse.Namespace) -> None:
     shape = (pool * bs, hkv, dim)
     g = torch.Generator().manual_seed(0)
     content = torch.randn(shape, generator=g).to(dtype)
-    caches = [
-        tuple(huge_pages.zeros(shape, dtype).copy_(content) for _ in range(2))
-        for _ in range(layers)
-    ]
+    caches = own_caches(content, layers, huge=True)
     del content
     tables = scatter_tables(args.batch, blocks, pool, args.adjacency, seed=0)
     for k in args.drafts:
@@ -187,14 +204,11 @@ def verify(args: argparse.Namespace) -> None:
             "spans": (q, tables[by_request], lens),
             "interleaved": (q[interleave], tables[by_request[interleave]], lens[interleave]),
         }
-
-        def step(kind: str, layouts=layouts) -> object:
-            qq, tt, ll = layouts[kind]
-            for kc, vc in caches:
-                paged_decode_attention(qq, kc, vc, tt, ll, dim**-0.5, bs)
-            return None
-
-        t = median_us({kind: lambda kind=kind: step(kind) for kind in layouts}, args.reps)
+        steps = {
+            kind: functools.partial(attend_layers, caches, *rows_, bs)
+            for kind, rows_ in layouts.items()
+        }
+        t = median_us(steps, args.reps)
         print(
             f"{k:6d} {args.batch * rows:5d} {t['spans'] / 1e3:9.2f} {t['interleaved'] / 1e3:15.2f} "
             f"{t['interleaved'] / t['spans']:19.2f}x {t['spans'] / 1e3 / (args.batch * rows):17.3f}",
