@@ -66,18 +66,13 @@ using AttendFn = void (*)(const Problem&, const Span& sp, const T* q, const T* k
                           const T* vc, int64_t begin, int64_t end, float* state,
                           int64_t head_step);
 
-// Scalar kernel (any head_dim, any group).
+// Scalar kernel (any head_dim, any group): one row's tokens [begin, end) of `table`.
 template <typename T>
-void attend_generic(const Problem& pb, const Span& sp, const T* q_span, const T* kc,
-                    const T* vc, int64_t begin, int64_t span_end, float* state_span,
-                    int64_t head_step) {
+void attend_generic_row(const Problem& pb, const int64_t* table, const T* q, const T* kc,
+                        const T* vc, int64_t begin, int64_t end, float* state,
+                        int64_t head_step) {
   const int64_t G = pb.group, D = pb.dim, bs = pb.block_size;
   std::vector<float> qf(G * D);
-  const int64_t* table = sp.table;
-  for (int r = 0; r < sp.rows; ++r) {
-  const T* q = q_span + r * sp.q_step;
-  float* state = state_span + r * sp.state_step;
-  const int64_t end = std::min(span_end, pb.lens[sp.first + r]);
   for (int64_t h = 0; h < pb.hkv; ++h) {
     float* acc_all = state + h * head_step;
     float* m = acc_all + G * D;
@@ -100,7 +95,16 @@ void attend_generic(const Problem& pb, const Span& sp, const T* q_span, const T*
       }
     }
   }
-  }
+}
+
+// The scalar kernel over a span: each row in turn, up to its own length.
+template <typename T>
+void attend_generic(const Problem& pb, const Span& sp, const T* q, const T* kc, const T* vc,
+                    int64_t begin, int64_t end, float* state, int64_t head_step) {
+  for (int r = 0; r < sp.rows; ++r)
+    attend_generic_row(pb, sp.table, q + r * sp.q_step, kc, vc, begin,
+                       std::min(end, pb.lens[sp.first + r]), state + r * sp.state_step,
+                       head_step);
 }
 
 #ifdef DEEPINFER_AVX512
@@ -267,50 +271,51 @@ void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* 
       }
     }
     // each row of the span scores the chunk while it sits in L1, up to its own length
-    for (int64_t h = 0; h < hkv; ++h)
-    for (int r = 0; r < sp.rows; ++r) {
-      const int64_t row_end = std::min(t0 + n, pb.lens[sp.first + r]);
-      if (row_end <= t0) continue;
-      const int n_r = static_cast<int>(row_end - t0);
-      const __mmask16 valid = static_cast<__mmask16>((1u << n_r) - 1);
-      const T* q = q_span + r * sp.q_step;
-      float* acc_mem = state_span + r * sp.state_step + h * head_step;
-      float* m = acc_mem + G * D;
-      float* l = m + G;
-      QueryRegs<T, D> qr[G];
-      for (int g = 0; g < G; ++g) qr[g].load(q + (h * G + g) * D);
-      const T* krow = kc + (first * hkv + h) * D;
-      for (int j = 0; j < n_r; ++j, krow += row_stride)
-        for (int g = 0; g < G; ++g) part[g][j] = qr[g].dot(krow);
-      __m512 acc[G][V];
-      for (int g = 0; g < G; ++g) {
-        for (int j = n_r; j < kChunk; ++j) part[g][j] = _mm512_setzero_ps();
-        __m512 s = _mm512_mul_ps(hsum16(part[g]), scale);
-        s = _mm512_mask_blend_ps(valid, neg_inf, s);
-        const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
-        const __m512 p =
-            _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        _mm512_store_ps(probs[g], p);
-        for (int i = 0; i < V; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + g * D + 16 * i);
-        if (m_new != m[g]) {
-          const float corr = std::exp(m[g] - m_new);
-          const __m512 c = _mm512_set1_ps(corr);
-          for (int i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
-          l[g] *= corr;
-          m[g] = m_new;
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int r = 0; r < sp.rows; ++r) {
+        const int64_t row_end = std::min(t0 + n, pb.lens[sp.first + r]);
+        if (row_end <= t0) continue;
+        const int n_r = static_cast<int>(row_end - t0);
+        const __mmask16 valid = static_cast<__mmask16>((1u << n_r) - 1);
+        const T* q = q_span + r * sp.q_step;
+        float* acc_mem = state_span + r * sp.state_step + h * head_step;
+        float* m = acc_mem + G * D;
+        float* l = m + G;
+        QueryRegs<T, D> qr[G];
+        for (int g = 0; g < G; ++g) qr[g].load(q + (h * G + g) * D);
+        const T* krow = kc + (first * hkv + h) * D;
+        for (int j = 0; j < n_r; ++j, krow += row_stride)
+          for (int g = 0; g < G; ++g) part[g][j] = qr[g].dot(krow);
+        __m512 acc[G][V];
+        for (int g = 0; g < G; ++g) {
+          for (int j = n_r; j < kChunk; ++j) part[g][j] = _mm512_setzero_ps();
+          __m512 s = _mm512_mul_ps(hsum16(part[g]), scale);
+          s = _mm512_mask_blend_ps(valid, neg_inf, s);
+          const float m_new = std::max(m[g], _mm512_reduce_max_ps(s));
+          const __m512 p =
+              _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+          _mm512_store_ps(probs[g], p);
+          for (int i = 0; i < V; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + g * D + 16 * i);
+          if (m_new != m[g]) {
+            const float corr = std::exp(m[g] - m_new);
+            const __m512 c = _mm512_set1_ps(corr);
+            for (int i = 0; i < V; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
+            l[g] *= corr;
+            m[g] = m_new;
+          }
+          if constexpr (!kPairs) l[g] += _mm512_reduce_add_ps(p);
         }
-        if constexpr (!kPairs) l[g] += _mm512_reduce_add_ps(p);
+        const T* vrow = vc + (first * hkv + h) * D;
+        if constexpr (kPairs) {
+          float sums[G];
+          accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n_r, row_stride);
+          for (int g = 0; g < G; ++g) l[g] += sums[g];
+        } else {
+          accumulate_v<T, D, G>(acc, probs, vrow, n_r, row_stride);
+        }
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * D + 16 * i, acc[g][i]);
       }
-      const T* vrow = vc + (first * hkv + h) * D;
-      if constexpr (kPairs) {
-        float sums[G];
-        accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n_r, row_stride);
-        for (int g = 0; g < G; ++g) l[g] += sums[g];
-      } else {
-        accumulate_v<T, D, G>(acc, probs, vrow, n_r, row_stride);
-      }
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc_mem + g * D + 16 * i, acc[g][i]);
     }
     t0 += n;
   }
