@@ -47,13 +47,13 @@ struct Problem {
 };
 
 // The rows a task attends: `rows` consecutive ones from `first`, every one reading the blocks
-// of `table` (its longest row's); row r's query at q + r * q_step, its state (below) at
-// state + r * state_step, and it attends the task's positions below lens[first + r].
+// of `table` (its longest row's); row r attends the task's positions below lens[first + r],
+// its query the next row's after the first's (hkv * group * dim apart), its state (below) the
+// next row's (hkv * head_step apart).
 struct Span {
   int64_t first;
   int rows;
   const int64_t* table;
-  int64_t q_step, state_step;
 };
 
 // The softmax state of one (row, KV head, context piece) lives in `state`: acc [G, D]
@@ -102,8 +102,8 @@ template <typename T>
 void attend_generic(const Problem& pb, const Span& sp, const T* q, const T* kc, const T* vc,
                     int64_t begin, int64_t end, float* state, int64_t head_step) {
   for (int r = 0; r < sp.rows; ++r)
-    attend_generic_row(pb, sp.table, q + r * sp.q_step, kc, vc, begin,
-                       std::min(end, pb.lens[sp.first + r]), state + r * sp.state_step,
+    attend_generic_row(pb, sp.table, q + r * pb.hkv * pb.group * pb.dim, kc, vc, begin,
+                       std::min(end, pb.lens[sp.first + r]), state + r * pb.hkv * head_step,
                        head_step);
 }
 
@@ -277,8 +277,8 @@ void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* 
         if (row_end <= t0) continue;
         const int n_r = static_cast<int>(row_end - t0);
         const __mmask16 valid = static_cast<__mmask16>((1u << n_r) - 1);
-        const T* q = q_span + r * sp.q_step;
-        float* acc_mem = state_span + r * sp.state_step + h * head_step;
+        const T* q = q_span + r * hkv * G * D;
+        float* acc_mem = state_span + (r * hkv + h) * head_step;
         float* m = acc_mem + G * D;
         float* l = m + G;
         QueryRegs<T, D> qr[G];
@@ -323,7 +323,7 @@ void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* 
     for (int r = 0; r < sp.rows; ++r)
       for (int64_t h = 0; h < hkv; ++h)
         for (int g = 0; g < G; ++g)
-          unpermute<D>(state_span + r * sp.state_step + h * head_step + g * D);
+          unpermute<D>(state_span + (r * hkv + h) * head_step + g * D);
 }
 
 #endif  // DEEPINFER_AVX512
@@ -393,8 +393,7 @@ void merge(const float* st, int64_t pieces, int64_t stride, int64_t G, int64_t D
 // context too, which is as correct). At most kMaxRows rows a span.
 constexpr int kMaxRows = 16;
 
-std::vector<Span> find_spans(const Problem& pb, int64_t batch, int64_t q_step,
-                             int64_t state_step) {
+std::vector<Span> find_spans(const Problem& pb, int64_t batch) {
   const int64_t bs = pb.block_size;
   auto blocks = [&](int64_t b) { return (pb.lens[b] + bs - 1) / bs; };
   auto table = [&](int64_t b) { return pb.tables + b * pb.max_blocks; };
@@ -407,7 +406,7 @@ std::vector<Span> find_spans(const Problem& pb, int64_t batch, int64_t q_step,
       if (!std::equal(table(e), table(e) + common, table(longest))) break;
       if (pb.lens[e] > pb.lens[longest]) longest = e;
     }
-    spans.push_back(Span{b, static_cast<int>(e - b), table(longest), q_step, state_step});
+    spans.push_back(Span{b, static_cast<int>(e - b), table(longest)});
     b = e;
   }
   return spans;
@@ -433,17 +432,17 @@ void run(const Problem& pb, const T* q, const T* kc, const T* vc, T* o, int64_t 
       float* state = states.data() + (sp.first * hkv * splits + s) * stride;
       for (int r = 0; r < sp.rows; ++r)
         for (int64_t h = 0; h < hkv; ++h) {
-          float* st = state + r * sp.state_step + h * splits * stride;
+          float* st = state + (r * hkv + h) * splits * stride;
           std::fill(st, st + G * D, 0.f);
           std::fill(st + G * D, st + G * (D + 1), -std::numeric_limits<float>::infinity());
           std::fill(st + G * (D + 1), st + stride, 0.f);
         }
       if (begin < end)
-        attend(pb, sp, q + sp.first * sp.q_step, kc, vc, begin, end, state, splits * stride);
+        attend(pb, sp, q + sp.first * hkv * G * D, kc, vc, begin, end, state, splits * stride);
       if (splits == 1)  // the only piece: normalise now
         for (int r = 0; r < sp.rows; ++r)
           for (int64_t h = 0; h < hkv; ++h)
-            merge(state + r * sp.state_step + h * stride, 1, stride, G, D,
+            merge(state + (r * hkv + h) * stride, 1, stride, G, D,
                   o + ((sp.first + r) * hkv + h) * G * D);
     }
   });
@@ -503,13 +502,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache,
   }
   Problem pb{hkv, hq / hkv, dim, block_size, max_blocks, static_cast<float>(scale),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
-  // the spans do not depend on the splits: a row's states are hkv * splits * stride apart
-  const int64_t stride = pb.group * (dim + 2);
-  std::vector<Span> spans = find_spans(pb, batch, hq * dim, 0);
+  const std::vector<Span> spans = find_spans(pb, batch);
   if (splits <= 0)
     splits = choose_splits(static_cast<int64_t>(spans.size()), max_blocks, 64 / block_size + 1);
   splits = std::min(splits, kMaxPieces);
-  for (Span& sp : spans) sp.state_step = hkv * splits * stride;
   if (q.scalar_type() == at::kFloat) {
     run<float>(pb, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                out.data_ptr<float>(), batch, splits, generic, spans);
