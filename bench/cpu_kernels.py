@@ -5,6 +5,7 @@
     python -m bench.cpu_kernels verify [--batch 64 --context 400 --drafts 0 1 2 4 8]
     python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
+    python -m bench.cpu_kernels linear [--rows 1 2 4 8]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
@@ -23,6 +24,10 @@ span (each chunk of K/V from memory once), against the same rows interleaved acr
 before), GFLOP/s.
 `sampling`: `sample` on [B, vocab] logits with the C++ sampler vs the torch path, alternating;
 greedy: the C++ `greedy_rows` vs torch's `max`.
+`linear`: the linears of a decode step at SmolLM2-135M's shapes (30 layers' q/k/v, o, gate/up
+and down, and the tied head; each its own weight, so they are read from memory) on M rows:
+`small_linear` (weights in place) vs oneDNN's GEMM on weights packed as the engine packs
+them, alternating, medians; GB/s of weights read.
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
 after the last request's first token, over that window.
@@ -301,6 +306,43 @@ def sampling(args: argparse.Namespace) -> None:
         sampling_cpu.ENABLED = True
 
 
+def linear(args: argparse.Namespace) -> None:
+    from kernels import cpu_build, packed_linear, small_linear
+
+    cpu_build.load()
+    bf16 = torch.bfloat16
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    weights = [torch.randn(shape, dtype=bf16) * 0.05 for shape in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_ROWS) for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    print(
+        f"the linears of a decode step at SmolLM2-135M's shapes ({len(weights)} weights, "
+        f"{nbytes / 1e6:.0f} MB), small_linear vs oneDNN packed, median of {args.reps}, "
+        f"{machine()}"
+    )
+    print("rows  small_linear ms   GB/s   oneDNN ms   GB/s  speed-up")
+    for m in args.rows:
+        xs = {k: torch.randn(m, k, dtype=bf16) for k in (576, 1536)}
+
+        def ours(xs=xs) -> object:
+            return [small_linear.small_linear(xs[w.shape[1]], w) for w in weights]
+
+        def onednn(xs=xs) -> object:
+            return [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, packed, strict=True)
+            ]
+
+        t = median_us({"ours": ours, "onednn": onednn}, args.reps)
+        ms = {k: v / 1e3 for k, v in t.items()}
+        print(
+            f"{m:4d}  {ms['ours']:15.2f} {nbytes / ms['ours'] / 1e6:6.1f} "
+            f"{ms['onednn']:11.2f} {nbytes / ms['onednn'] / 1e6:6.1f} "
+            f"{ms['onednn'] / ms['ours']:8.2f}x",
+            flush=True,
+        )
+
+
 def decode_tok_s(run) -> float:
     """Tokens produced after every request had its first token, per second of that window."""
     start = max(t.token_times[0] for t in run.timings)
@@ -385,6 +427,9 @@ def main() -> None:
     s.add_argument("--vocab", type=int, default=49152)
     s.add_argument("--reps", type=int, default=9)
     s.add_argument("--stat", choices=list(STAT), default="median")
+    li = sub.add_parser("linear")
+    li.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    li.add_argument("--reps", type=int, default=9)
     e = sub.add_parser("engine")
     e.add_argument("--model", default="/tmp/smollm2-hf")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -406,6 +451,8 @@ def main() -> None:
         prefill(args)
     elif args.what == "sampling":
         sampling(args)
+    elif args.what == "linear":
+        linear(args)
     else:
         asyncio.run(engine_runs(args))
 

@@ -1,6 +1,6 @@
 """Linear layers on a CPU through oneDNN, the weights packed once into its blocked layout (bf16
 with bf16 instructions; fp32 on AMD), as the torch op `deepinfer::packed_linear` (reference:
-`F.linear`)."""
+`F.linear`); a few bf16 rows go to `small_linear` instead, on the plain weight."""
 
 from __future__ import annotations
 
@@ -12,11 +12,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import small_linear
+
 # DEEPINFER_CPU_KERNELS=0 keeps the plain F.linear (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
 # the rows oneDNN is told to expect when it packs: any count runs on the packed weight after;
 # SmolLM2-135M's layers at 64 rows ran 1.41x plain with weights packed for 16, 1.22x for 64
 PACK_ROWS = 16
+# up to this many rows go to `small_linear` where it serves: SmolLM2-135M's 30 layers and head
+# on 2 Zen 5 cores, weights from memory, 1.05-1.18x oneDNN's packed GEMM at 1 row, 1.02-1.21x
+# at 2; at 4 and 8 rows 0.84-1.11x from run to run, and level in the engine at 4 sequences
+SMALL_ROWS = 2
 
 _Key = tuple[int, tuple[int, ...], tuple[int, ...]]
 # weight (by storage, shape and strides) -> (its version counter when packed, the packed copy)
@@ -109,7 +115,10 @@ def _packed_linear(
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    if small_linear.supports(rows, weight, SMALL_ROWS):
+        out = small_linear.small_linear(rows, weight, bias)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
