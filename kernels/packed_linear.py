@@ -1,6 +1,7 @@
 """Linear layers on a CPU through oneDNN, the weights packed once into its blocked layout (bf16
 with bf16 instructions; fp32 on AMD), as the torch op `deepinfer::packed_linear` (reference:
-`F.linear`); a few bf16 rows go to `small_linear` instead, on the plain weight."""
+`F.linear`); a few bf16 rows go to `small_linear` instead, on the plain weight. The op and the
+table of packed weights are C++ (csrc/packed_linear.cpp) where the kernels build, else Python."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import small_linear
+from kernels import cpu_build, small_linear
 
 # DEEPINFER_CPU_KERNELS=0 keeps the plain F.linear (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
@@ -69,6 +70,14 @@ def pack(weight: torch.Tensor) -> bool:
     if not supported(weight):
         return False
     key = _key(weight)
+    if cpu_build.available():  # the C++ op keeps the table
+        small = SMALL_ROWS if small_linear.supports(weight[:1], weight, SMALL_ROWS) else 0
+        with torch.no_grad():
+            torch.ops.deepinfer.packed_linear_pack(weight.detach(), PACK_ROWS, small)
+        ptr, (n, k), (s0, s1) = key
+        weakref.finalize(weight, torch.ops.deepinfer.packed_linear_forget, ptr, n, k, s0, s1)
+        return True
+    _python_op()
     _packed[key] = (weight._version, _reorder(weight))
     weakref.finalize(weight, _packed.pop, key, None)
     return True
@@ -100,14 +109,20 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-# defined and implemented through torch.library's low-level calls: a `custom_op` wrapper adds
-# ~15 us a call (a step of SmolLM2 makes 121), the op itself 3 us over a direct oneDNN call
+# defined through torch.library's low-level calls: a `custom_op` wrapper adds ~15 us a call (a
+# step of SmolLM2 makes 121); implemented in C++ once the kernels load, else by `_python_op`
 torch.library.define(
     "deepinfer::packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
 )
 
 
-@torch.library.impl("deepinfer::packed_linear", "CPU")
+@functools.cache
+def _python_op() -> None:
+    """The op in Python, where the C++ kernels cannot be built (one implementation or the
+    other: both for one key is an error)."""
+    torch.library.impl("deepinfer::packed_linear", "CPU")(_packed_linear)
+
+
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -115,10 +130,7 @@ def _packed_linear(
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if small_linear.supports(rows, weight, SMALL_ROWS):
-        out = small_linear.small_linear(rows, weight, bias)
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

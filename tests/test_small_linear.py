@@ -76,25 +76,17 @@ def test_supports_only_what_it_serves() -> None:
 
 
 @needs_bf16_dot
-def test_packed_linear_hands_it_a_few_rows_and_onednn_the_rest(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Up to SMALL_ROWS rows go through small_linear, more through oneDNN (whose bf16 kernel
-    may give the same bits: the calls are counted)."""
-    calls: list[int] = []
-    op = small_linear.small_linear
-
-    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return op(x, w, b)
-
-    monkeypatch.setattr(small_linear, "small_linear", counted)
+def test_packed_linear_hands_it_a_few_rows_and_onednn_the_rest() -> None:
+    """Up to SMALL_ROWS rows are read from the plain weight (small_linear), more from oneDNN's
+    packed copy: a write through `.data` (which does not count as a write, so nothing is
+    packed again) shows in the first only. The two kernels otherwise often agree bitwise."""
     w, b = operands(1, 300, 576, seed=5)[1:]
     assert packed_linear.pack(w)
-    rows = (1, packed_linear.SMALL_ROWS, packed_linear.SMALL_ROWS + 1, small_linear.MAX_ROWS)
+    before = w.clone()
+    w.data.mul_(-1)
     with torch.inference_mode():
-        for m in rows:
+        for m in (1, packed_linear.SMALL_ROWS, packed_linear.SMALL_ROWS + 1, 8):
             x = operands(m, 300, 576, seed=m)[0]
-            out = packed_linear.linear(x.view(1, m, 576), w, b)
-            within_a_rounding(out.view(m, 300), reference(x, w, b))
-    assert calls == [m for m in rows if m <= packed_linear.SMALL_ROWS]
+            out = packed_linear.linear(x.view(1, m, 576), w, b).view(m, 300)
+            read = w if m <= packed_linear.SMALL_ROWS else before
+            within_a_rounding(out, reference(x, read, b))
