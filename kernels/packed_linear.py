@@ -71,6 +71,7 @@ def pack(weight: torch.Tensor) -> bool:
         return False
     key = _key(weight)
     if cpu_build.available():  # the C++ op keeps the table
+        # a row of the weight's dtype stands for the steps' rows
         small = SMALL_ROWS if small_linear.supports(weight[:1], weight, SMALL_ROWS) else 0
         with torch.no_grad():
             torch.ops.deepinfer.packed_linear_pack(weight.detach(), PACK_ROWS, small)
