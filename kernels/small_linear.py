@@ -11,7 +11,7 @@ import torch
 
 from kernels import cpu_build
 
-# DEEPINFER_CPU_KERNELS=0 keeps oneDNN's GEMM for every row count (read once, at import)
+# DEEPINFER_CPU_KERNELS=0: `supports` says no (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
 MAX_ROWS = 8  # the most rows of x the op takes
 
