@@ -6,6 +6,7 @@
     python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
     python -m bench.cpu_kernels linear [--rows 1 2 4 8]
+    python -m bench.cpu_kernels layers --model /tmp/smollm2-hf [--batches 1 2 16 64 --dtype bf16]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
@@ -28,6 +29,13 @@ greedy: the C++ `greedy_rows` vs torch's `max`.
 and down, and the tied head; each its own weight, so they are read from memory) on M rows:
 `small_linear` (weights in place) vs oneDNN's GEMM on weights packed as the engine packs
 them, alternating, medians; GB/s of weights read.
+`layers`: a decode step's 30 layers and final norm (the tokens embedded, the logits not) of a
+real model at B sequences (contexts of ~300 tokens in blocks of their own), through the fused
+op (`FusedDecode`, one C++ call) vs the compiled decode layer (30 calls of inductor's graph),
+alternating, medians; with how far each path's hidden states are from the model's eager
+layers' (the largest difference over the largest value) and how often their greedy tokens
+agree with eager's. The fused op rounds where eager rounds; the compiled layer keeps some
+intermediates in fp32, so in bf16 it drifts further over 30 layers (same tokens in fp32).
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
 after the last request's first token, over that window.
@@ -351,6 +359,66 @@ def decode_tok_s(run) -> float:
     return tokens / (end - start)
 
 
+def layers(args: argparse.Namespace) -> None:
+    from daemon.build.config import EngineConfig
+    from daemon.build.engine import build_engine
+    from daemon.models.attention import build_attention_batch
+    from daemon.models.compiled import CompiledDecode
+
+    cfg = EngineConfig(
+        model=args.model,
+        dtype={"bf16": "bfloat16", "fp32": "float32"}[args.dtype],
+        kv_cache_memory_gb=args.kv_cache_gb,
+        max_num_seqs=max(args.batches),
+    )
+    engine, _ = build_engine(cfg)
+    runner = engine.runner
+    fused, model, cache = runner.graphs, runner.model, runner.cache
+    if not isinstance(fused, CompiledDecode) or fused.fused is None:
+        raise SystemExit("the fused decode op does not serve this model here")
+    compiled = CompiledDecode(model, cache, max(args.batches))  # the compiled layer's path
+    compiled.warm_up()
+    print(
+        f"a decode step's {model.num_layers} layers, {args.model}, {args.dtype}, fused op vs "
+        f"compiled layer, median of {args.reps}, {machine()}"
+    )
+    print(
+        "batch  fused ms  compiled ms  speed-up  from eager: fused compiled  same token: fused compiled"
+    )
+    bs = cache.block_size
+    gen = torch.Generator().manual_seed(0)
+    for b in args.batches:
+        contexts = [args.context + 3 * i for i in range(b)]
+        per = -(-max(contexts) // bs)
+        tables = [[i * per + j for j in range(-(-n // bs))] for i, n in enumerate(contexts)]
+        slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, contexts)]
+        batch = build_attention_batch(list(zip(tables, contexts)), [], slots, bs)
+        ids = torch.randint(0, model.vocab_size, (b,), generator=gen)
+        positions = torch.tensor([n - 1 for n in contexts])
+
+        def run(path: CompiledDecode, ids=ids, positions=positions, batch=batch) -> object:
+            with torch.inference_mode():
+                return path.run(ids, positions, batch)
+
+        with torch.inference_mode():
+            ref = model(ids, positions, batch, cache)
+            greedy = model.compute_logits(ref).argmax(-1)
+        far, same = {}, {}
+        for name, path in (("fused", fused), ("compiled", compiled)):
+            out = run(path)
+            far[name] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            with torch.inference_mode():
+                tokens = model.compute_logits(out).argmax(-1)
+            same[name] = (tokens == greedy).float().mean().item()
+        t = median_us({"fused": lambda: run(fused), "compiled": lambda: run(compiled)}, args.reps)
+        print(
+            f"{b:5d}  {t['fused'] / 1e3:8.2f}  {t['compiled'] / 1e3:11.2f}  "
+            f"{t['compiled'] / t['fused']:7.2f}x  {far['fused']:17.2g} {far['compiled']:8.2g}  "
+            f"{same['fused']:17.0%} {same['compiled']:8.0%}",
+            flush=True,
+        )
+
+
 async def engine_runs(args: argparse.Namespace) -> None:
     from daemon.build.config import EngineConfig
     from daemon.build.engine import build_engine
@@ -430,6 +498,13 @@ def main() -> None:
     li = sub.add_parser("linear")
     li.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
     li.add_argument("--reps", type=int, default=9)
+    ly = sub.add_parser("layers")
+    ly.add_argument("--model", default="/tmp/smollm2-hf")
+    ly.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ly.add_argument("--batches", nargs="+", type=int, default=[1, 2, 16, 64])
+    ly.add_argument("--context", type=int, default=300)
+    ly.add_argument("--kv-cache-gb", type=float, default=2.0)
+    ly.add_argument("--reps", type=int, default=15)
     e = sub.add_parser("engine")
     e.add_argument("--model", default="/tmp/smollm2-hf")
     e.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -453,6 +528,8 @@ def main() -> None:
         sampling(args)
     elif args.what == "linear":
         linear(args)
+    elif args.what == "layers":
+        layers(args)
     else:
         asyncio.run(engine_runs(args))
 

@@ -1,7 +1,8 @@
 """The compiled CPU forward (daemon/models/compiled.py): greedy outputs equal the eager
 engine's, alone and batched, across batch sizes and KV widths, with mixed steps (compiled
-halves around the eager attention) between them and prefix-cache hits; the graphs compiled at
-start and none after; inductor's code kept under deepinfer's cache directory; the graphs saved
+halves around the eager attention) between them and prefix-cache hits, Llama's decode steps
+through the fused op and Qwen3's through the compiled layer; the graphs compiled at start and
+none after; inductor's code kept under deepinfer's cache directory; the graphs saved
 there loaded by a new process without compiling, with the same logits, and a corrupt or
 mismatched saved graph compiled again."""
 
@@ -46,6 +47,7 @@ class Run:
     probe: torch.Tensor | None = None  # probe_logits() after the build (compiled only)
     misses: int = 0  # steps whose inputs the graphs' guards refused (run eagerly)
     artifacts: Path | None = None  # where the compiled forward saved its graphs
+    fused: bool = False  # decode steps through the fused op (`FusedDecode`)
 
 
 def engine_config(checkpoint: Path | str, eager: bool = False) -> EngineConfig:
@@ -131,6 +133,7 @@ def _serve(checkpoint: Path, prompts: list[list[int]], eager: bool) -> Run:
         probe,
         graphs.misses if graphs else 0,
         graphs.artifacts if graphs else None,
+        graphs is not None and graphs.fused is not None,
     )
 
 
@@ -176,10 +179,18 @@ def test_steps_with_prefill_chunks_run_compiled(runs: tuple[Run, Run]) -> None:
     assert max(chunks for _, chunks in mixed) > 1
 
 
+def test_llama_decodes_fused_and_qwen3_through_the_compiled_layer(
+    runs: tuple[Run, Run], request: pytest.FixtureRequest
+) -> None:
+    """The fused op serves Llama; Qwen3's q/k norms are not in it."""
+    assert runs[1].fused == (request.node.callspec.params["runs"] == "llama")
+
+
 def test_graphs_are_made_at_start_only(runs: tuple[Run, Run]) -> None:
-    """The warm-up makes the decode graph and the two halves'; serving makes none."""
+    """The warm-up makes the two halves' graphs and, where no fused op runs decode steps, the
+    decode layer's; serving makes none."""
     compiled = runs[1]
-    assert compiled.graphs_at_start == 3
+    assert compiled.graphs_at_start == (2 if compiled.fused else 3)
     assert compiled.graphs_serving == 0
     assert compiled.misses == 0  # every step's inputs passed the graphs' guards
 
@@ -239,8 +250,8 @@ def _compiled_nothing(result: dict) -> bool:
     )
 
 
-# one architecture: the saved-graph path is the same for all
-@pytest.mark.parametrize("runs", ["llama"], indirect=True)
+# one architecture: the saved-graph path is the same for all (Qwen3's has all three graphs)
+@pytest.mark.parametrize("runs", ["qwen3"], indirect=True)
 def test_a_new_process_loads_the_saved_graphs_and_compiles_nothing(
     runs: tuple[Run, Run], cache_root: Path, tmp_path: Path
 ) -> None:
@@ -297,7 +308,7 @@ def test_the_probe_record_holds_the_probes_a_new_process_asks_for(
     assert ran == []
 
 
-@pytest.mark.parametrize("runs", ["llama"], indirect=True)
+@pytest.mark.parametrize("runs", ["qwen3"], indirect=True)
 def test_a_corrupt_or_mismatched_saved_graph_is_compiled_again(
     runs: tuple[Run, Run], cache_root: Path, tmp_path: Path
 ) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from daemon.kv.spec import FullAttentionSpec, KVGroup
 from daemon.models.attention import AttentionBatch, PagedKVCache, paged_attention
 from daemon.models.compiled import CompiledDecode
+from daemon.models.fused_decode import FusedDecode
 from daemon.models.graphs import PagedDecodeGraphs
 from daemon.models.layers import Linear, RMSNorm, column_major, silu_and_mul
 from daemon.models.rope import RotaryEmbedding, rope_parameters
@@ -224,7 +225,7 @@ class DenseForCausalLM(nn.Module):
         self, cache: PagedKVCache, device: torch.device, max_batch: int
     ) -> PagedDecodeGraphs | CompiledDecode:
         if device.type == "cpu":
-            return CompiledDecode(self, cache, max_batch)
+            return CompiledDecode(self, cache, max_batch, FusedDecode.of(self, cache))
         return PagedDecodeGraphs(self, cache, device, max_batch)
 
     def forward(
