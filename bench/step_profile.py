@@ -30,6 +30,7 @@ CLASSES = (
     "hyper-connections",
     "mlp activation",
     "sampling",
+    "fused layers",
     "compiled code",
     "other ops",
     PYTHON,
@@ -65,10 +66,17 @@ MODULE_CLASSES = (
 )
 
 
+# ops that run whole layers in C++ (their GEMMs, attention and norms not told apart): the
+# fused dense decode step, whose GEMMs of more than 2 rows still show as children
+FUSED_OPS = {"deepinfer::dense_decode_layers"}
+
+
 def op_class(name: str) -> str | None:
     """The class an op's own name gives it, if any."""
     if name in GEMM_OPS:
         return "gemm"
+    if name in FUSED_OPS:
+        return "fused layers"
     low = name.lower()
     if low.startswith(("torch-compiled region", "torchdynamo", "cpp_fused")) or "compiledfx" in low:
         return "compiled code"  # guards, wrappers, generated kernels (not their extern GEMMs)
