@@ -38,7 +38,8 @@ def available() -> bool:
 
 @functools.cache
 def load() -> bool:
-    """Load the operators of csrc/*.cpp into torch (compiled on first use, ~40 s; later runs
+    """Load the operators of csrc/*.cpp into torch (compiled on first use, ~25-35 s on 2 cores:
+    each source includes the ATen headers it uses, not <ATen/ATen.h>, ~9 s less; later runs
     load the cached library, which torch rebuilds when a source or the flags change). False,
     with a warning, where they cannot be built (no C++ compiler): callers keep the torch paths."""
     global _loaded

@@ -3,8 +3,10 @@
 // down) in one call. The linears are packed_linear's and the attention paged_decode_attention's;
 // the norms, RoPE, the cache writes and the residual adds are loops here. One call a step instead
 // of a compiled graph's Python wrapper and boxed calls per layer (~60 us a layer of SmolLM2).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,7 +55,8 @@ inline __m512 vload(const at::BFloat16* p, __mmask16 m) {
 inline __m512i to_bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
@@ -172,7 +175,8 @@ void silu_mul(const T* gu, T* out, int64_t t, int64_t inter) {
         const __mmask16 m = tail(i, inter);
         const __m512 x = vload(g + i, m);
         // sigmoid from e = exp(-|x|) <= 1: 1 / (1 + e) where x >= 0, e / (1 + e) below
-        const __m512 e = deepinfer_vec::exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        const __m512 minus_abs = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x));
+        const __m512 e = deepinfer_vec::exp_neg(minus_abs);
         const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
         const __m512 num = _mm512_mask_mov_ps(one, neg, e);
         const __m512 silu = vround(_mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(one, e))), g);

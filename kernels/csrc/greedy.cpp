@@ -1,6 +1,8 @@
 // Greedy sampling on CPU: each row's argmax, the first of tied maxima (as torch's max / argmax),
 // over fp32 or bf16 logits, one pass with a running maximum and its index per vector lane.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

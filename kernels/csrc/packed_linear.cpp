@@ -2,7 +2,10 @@
 // load, found here by the weight's storage, shape and strides (no Python in a call: ~5 us a
 // call less, 121 calls a step of SmolLM2-135M), packed again if the weight was written in
 // place; up to `small_rows` bf16 rows go to small_linear on the plain weight instead.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>

@@ -4,7 +4,9 @@
 // of K/V from memory once for all its rows. Parallel over (span, piece of its context); a
 // task takes every KV head of each 16-token chunk in turn, so a chunk's rows are read side by
 // side. Pieces of one context are merged at the end.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,9 @@
 // where the CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The
 // query rows of a KV head's whole group share each product. Parallel over (KV head, query
 // block).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>

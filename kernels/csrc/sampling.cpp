@@ -1,7 +1,9 @@
 // Sampling of one token per row on CPU from weights e^(x - max x) (x: logits / temperature):
 // top-k and top-p by a partial sort that grows only as far as the cut, min-p, then the inverse
 // CDF of the kept weights (in token id order) at one uniform draw per row.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

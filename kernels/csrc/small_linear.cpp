@@ -1,7 +1,10 @@
 // y = x W^T for a few bf16 rows (decode at low concurrency): W [N, K] read once, in place, front
 // to back, each 32-element chunk of a weight row dotted with every row of x by dpbf16 (fp32
 // sums), the next block's lines prefetched. `bench.cpu_kernels linear` against oneDNN.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
