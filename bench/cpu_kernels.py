@@ -34,8 +34,9 @@ real model at B sequences (contexts of ~300 tokens in blocks of their own), thro
 op (`FusedDecode`, one C++ call) vs the compiled decode layer (30 calls of inductor's graph),
 alternating, medians; with how far each path's hidden states are from the model's eager
 layers' (the largest difference over the largest value) and how often their greedy tokens
-agree with eager's. The fused op rounds where eager rounds; the compiled layer keeps some
-intermediates in fp32, so in bf16 it drifts further over 30 layers (same tokens in fp32).
+agree with eager's. Both round bf16 where eager does (the compiled graphs since inductor's
+`emulate_precision_casts`; before it, the compiled layer drifted: see
+bench/results/2026-12-07-fused-decode.md).
 `engine`: decode tok/s of one engine with the kernel on and off (DEEPINFER_CPU_KERNELS=0's
 path), alternating runs of the same seeded workload; decode tok/s counts the tokens produced
 after the last request's first token, over that window.
