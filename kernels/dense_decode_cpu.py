@@ -12,8 +12,6 @@ from kernels import cpu_build
 
 # DEEPINFER_CPU_KERNELS=0: `available` says no (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
-DTYPES = (torch.float32, torch.bfloat16)
-WEIGHTS_PER_LAYER = 6  # input norm, qkv, o, post-attention norm, gate/up, down
 
 
 def available() -> bool:
@@ -40,9 +38,10 @@ def dense_decode_layers(
 ) -> torch.Tensor:
     """x [T, hidden]: the embedded tokens of T decodes (one each) at `positions`, whose K and V
     go to cache `slots`; `tables` [T, blocks] and `lens` [T] as `paged_decode_attention`'s;
-    per layer its caches [slots, Hkv, D] and `WEIGHTS_PER_LAYER` weights (no biases); cos /
-    sin [positions, D / 2] float32 (full rotary). The hidden states [T, hidden] after the last
-    layer (before the final norm); the caches are written."""
+    per layer its caches [slots, Hkv, D] and six weights: input norm, qkv, o, post-attention
+    norm, gate/up, down (no biases); cos / sin [positions, D / 2] float32 (full rotary). The
+    hidden states [T, hidden] after the last layer (before the final norm); the caches are
+    written."""
     return torch.ops.deepinfer.dense_decode_layers(
         x,
         positions,

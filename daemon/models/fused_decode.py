@@ -42,8 +42,7 @@ class FusedDecode:
             or cfg.mlp_bias
             or cfg.qk_norm
             or attn.rope.rotary_dim != cfg.head_dim
-            or k.dtype not in dense_decode_cpu.DTYPES
-            or not paged_attention_cpu.supports(q_probe, k)
+            or not paged_attention_cpu.supports(q_probe, k)  # fp32 or bf16 among its terms
             or not dense_decode_cpu.available()
         ):
             return None
