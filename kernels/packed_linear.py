@@ -1,13 +1,14 @@
-"""Linear layers on a CPU through oneDNN, the weights packed once into its blocked layout (bf16
-with bf16 instructions; fp32 on AMD), as the torch op `deepinfer::packed_linear` (reference:
-`F.linear`); a few bf16 rows go to `small_linear` instead, on the plain weight. The op and the
-table of packed weights are C++ (csrc/packed_linear.cpp) where the kernels build, else Python."""
+"""Linear layers on a CPU through oneDNN, the weights packed once into its blocked layout, as the
+torch op `deepinfer::packed_linear` (reference: `F.linear`); a few rows go to the plain weight
+instead. Which copy and which rows follow the CPU (`plan`). The op and the table of packed
+weights are C++ (csrc/packed_linear.cpp) where the kernels build, else Python."""
 
 from __future__ import annotations
 
 import functools
 import os
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,66 +21,119 @@ ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
 # the rows oneDNN is told to expect when it packs: any count runs on the packed weight after;
 # SmolLM2-135M's layers at 64 rows ran 1.41x plain with weights packed for 16, 1.22x for 64
 PACK_ROWS = 16
-# up to this many rows go to `small_linear` where it serves: SmolLM2-135M's 30 layers and head
-# on 2 Zen 5 cores, weights from memory, 1.05-1.18x oneDNN's packed GEMM at 1 row, 1.02-1.21x
-# at 2; at 4 and 8 rows 0.84-1.11x from run to run, and level in the engine at 4 sequences
+# up to this many rows go to `small_linear` where the CPU has bf16 arithmetic: SmolLM2-135M's
+# 30 layers and head on 2 Zen 5 cores, weights from memory, 1.05-1.18x oneDNN's packed GEMM at
+# 1 row, 1.02-1.21x at 2; at 4 and 8 rows 0.84-1.11x from run to run, level in the engine at 4
 SMALL_ROWS = 2
+# fp32 rows MKL's `F.linear` takes on an Intel CPU without AMX: SmolLM2-135M's 120 layer
+# linears on 2 Xeon (Ice Lake) cores, 24.4 ms plain against 31.7 packed at 1 row, 26.4 / 33.6
+# at 2, then 53.4 / 29.9 at 4, 101.8 / 41.2 at 16
+PLAIN_FP32_ROWS = 2
 
 _Key = tuple[int, tuple[int, ...], tuple[int, ...]]
-# weight (by storage, shape and strides) -> (its version counter when packed, the packed copy)
-_packed: dict[_Key, tuple[int, torch.Tensor]] = {}
+# weight (by storage, shape and strides) -> (its version counter when packed, the packed copy,
+# the rows that run on the plain weight instead)
+_packed: dict[_Key, tuple[int, torch.Tensor, int]] = {}
 
 
-def supported(weight: torch.Tensor) -> bool:
-    """A 2-d weight on a CPU where oneDNN's packed layout beats a plain `F.linear`: bf16 where
-    oneDNN has bf16 instructions (AVX512-BF16 or AMX; SmolLM2-135M's 30 layers, 2 Xeon cores
-    with AMX: 26.1 ms plain against 20.6 packed at 16 rows, 35.5 against 27.5 at 64), fp32
-    where `packs_fp32` (on a Xeon fp32 gained nothing: MKL's GEMM is as fast there)."""
-    return (
+@dataclass(frozen=True)
+class Plan:
+    """How one weight's linears run: on oneDNN's packed copy of it, widened to fp32 first if
+    `widen` (a bf16 weight on a CPU without bf16 arithmetic, where oneDNN's emulated bf16 GEMM
+    ran SmolLM2's layers at 16 rows 2.3x slower than its fp32 one: the same sums of the same
+    values, the output rounded to bf16), and up to `small_rows` rows on the plain weight
+    (bf16: `small_linear`; fp32: MKL's `F.linear`)."""
+
+    widen: bool = False
+    small_rows: int = 0
+
+
+def plan(weight: torch.Tensor) -> Plan | None:
+    """This CPU's plan for a 2-d weight, None to keep the plain `F.linear`:
+    - bf16 with bf16 instructions (AVX512-BF16 or AMX): packed, SMALL_ROWS to `small_linear`
+      (SmolLM2-135M's 30 layers, 2 Xeon cores with AMX: 26.1 ms plain against 20.6 packed at
+      16 rows, 35.5 against 27.5 at 64);
+    - bf16 without them, where the C++ op builds: widened, and up to `small_linear.MAX_ROWS`
+      rows to `small_linear` where it serves (AVX-512: fp32 FMAs on half fp32's bytes;
+      SmolLM2's layers on 2 Ice Lake cores at 1 / 8 rows 12.3 / 20.6 ms against oneDNN's
+      bf16 20.3 / 62.9 and fp32 24.4 / 37.6);
+    - fp32 where `packs_fp32`, rows up to PLAIN_FP32_ROWS plain on Intel."""
+    if not (
         ENABLED
         and weight.device.type == "cpu"
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
-        and (
-            (
-                weight.dtype == torch.bfloat16
-                and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            )
-            or (weight.dtype == torch.float32 and packs_fp32())
-        )
-    )
+    ):
+        return None
+    if weight.dtype == torch.bfloat16:
+        if _cpu_has_bf16_gemm():
+            few = small_linear.supports(weight[:1], weight, SMALL_ROWS)
+            return Plan(small_rows=SMALL_ROWS if few else 0)
+        if cpu_build.available():
+            few = small_linear.supports(weight[:1], weight)
+            return Plan(widen=True, small_rows=small_linear.MAX_ROWS if few else 0)
+        return None
+    if weight.dtype == torch.float32 and packs_fp32():
+        return Plan(small_rows=0 if _cpu_is_amd() else PLAIN_FP32_ROWS)
+    return None
+
+
+def supported(weight: torch.Tensor) -> bool:
+    """Whether `pack` packs this weight on this CPU."""
+    return plan(weight) is not None
+
+
+@functools.cache
+def _cpu_has_bf16_gemm() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _cpuinfo(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _cpu_is_amd(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    return "AuthenticAMD" in _cpuinfo(cpuinfo)
 
 
 @functools.cache
 def packs_fp32(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether fp32 weights are packed too: on AMD CPUs, where `F.linear` runs MKL's GEMM off
-    its Intel fast paths (SmolLM2-135M's 30 layers on 2 AMD EPYC Zen 5 cores: 28.2 ms plain
-    against 9.3 packed at 16 rows, 97.7 against 30.0 at 64, 6.3 against 4.3 at 1)."""
-    try:
-        return "AuthenticAMD" in cpuinfo.read_text()
-    except OSError:
-        return False
+    """Whether fp32 weights are packed: on AMD CPUs, where `F.linear` runs MKL's GEMM off its
+    Intel fast paths (SmolLM2-135M's 30 layers on 2 AMD EPYC Zen 5 cores: 28.2 ms plain
+    against 9.3 packed at 16 rows, 97.7 against 30.0 at 64, 6.3 against 4.3 at 1), and on
+    Intel CPUs without AMX (2 Ice Lake cores: 101.8 against 41.2 ms at 16 rows); on a Xeon
+    with AMX fp32 gained nothing, MKL's GEMM as fast there."""
+    text = _cpuinfo(cpuinfo)
+    if "AuthenticAMD" in text:
+        return True
+    return "GenuineIntel" in text and " amx_tile" not in text
 
 
-def pack(weight: torch.Tensor) -> bool:
-    """Pack `weight` [out, in] for `linear` where `supported`; whether it was. The packed copy
-    lives while the weight does, beside it, so a model's bf16 weights are twice in memory (a
-    data-less stand-in in the weight's place, as vLLM's CPU path leaves, ran the compiled
-    decode slower: 287 against 393 tok/s at 16 sequences); it is made again if the weight is
-    written in place."""
-    if not supported(weight):
+def pack(weight: torch.Tensor, how: Plan | None = None) -> bool:
+    """Pack `weight` [out, in] for `linear` by `how` (default: this CPU's `plan`); whether it
+    was. The packed copy lives while the weight does, beside it, so a model's weights are
+    twice in memory (three times for a widened bf16 one; a data-less stand-in in the weight's
+    place, as vLLM's CPU path leaves, ran the compiled decode slower: 287 against 393 tok/s at
+    16 sequences); it is made again if the weight is written in place."""
+    how = plan(weight) if how is None else how
+    if how is None:
         return False
     key = _key(weight)
     if cpu_build.available():  # the C++ op keeps the table
-        # a row of the weight's dtype stands for the steps' rows
-        small = SMALL_ROWS if small_linear.supports(weight[:1], weight, SMALL_ROWS) else 0
         with torch.no_grad():
-            torch.ops.deepinfer.packed_linear_pack(weight.detach(), PACK_ROWS, small)
+            torch.ops.deepinfer.packed_linear_pack(
+                weight.detach(), PACK_ROWS, how.small_rows, how.widen
+            )
         ptr, (n, k), (s0, s1) = key
         weakref.finalize(weight, torch.ops.deepinfer.packed_linear_forget, ptr, n, k, s0, s1)
         return True
+    if how.widen or (how.small_rows and weight.dtype != torch.float32):
+        return False  # small_linear and the widened copy are the C++ op's
     _python_op()
-    _packed[key] = (weight._version, _reorder(weight))
+    _packed[key] = (weight._version, _reorder(weight), how.small_rows)
     weakref.finalize(weight, _packed.pop, key, None)
     return True
 
@@ -98,16 +152,16 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
+def _lookup(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     key = _key(weight)
     entry = _packed.get(key)
     if entry is None:
         return None
-    version, packed = entry
+    version, packed, small_rows = entry
     if version != weight._version:  # written since it was packed
         packed = _reorder(weight)
-        _packed[key] = (weight._version, packed)
-    return packed
+        _packed[key] = (weight._version, packed, small_rows)
+    return packed, small_rows
 
 
 # defined through torch.library's low-level calls: a `custom_op` wrapper adds ~15 us a call (a
@@ -127,9 +181,10 @@ def _python_op() -> None:
 def _packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    packed = _lookup(weight)
-    if packed is None or x.dtype != weight.dtype:
+    entry = _lookup(weight)
+    if entry is None or x.dtype != weight.dtype or x.numel() // x.shape[-1] <= entry[1]:
         return F.linear(x, weight, bias)
+    packed = entry[0]
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,6 +1,7 @@
-"""y = x W^T for up to 8 bf16 rows on a CPU with AVX512-BF16 (C++, csrc/small_linear.cpp) as the
-torch op `deepinfer::small_linear`: decode at low concurrency reads each weight once, in place,
-1.04-1.18x faster than oneDNN's packed GEMM at 1-2 rows (reference: `F.linear`)."""
+"""y = x W^T for up to 8 bf16 rows on a CPU with AVX-512 (C++, csrc/small_linear.cpp; dpbf16 where
+the CPU has AVX512-BF16) as the torch op `deepinfer::small_linear`: decode at low concurrency
+reads each weight once, in place, 1.04-1.18x faster than oneDNN's packed GEMM at 1-2 rows on Zen 5
+(reference: `F.linear`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ MAX_ROWS = 8  # the most rows of x the op takes
 
 
 @functools.cache
-def _cpu_has_bf16_dot() -> bool:
-    return torch.cpu._is_avx512_bf16_supported()
+def _cpu_has_avx512() -> bool:
+    # torch's AVX512 level is F, BW, VL and DQ, which the kernel's vector path is built for
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def supports(rows: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether the op serves `rows` [M, K] x `weight` [N, K]: bf16 both, the weight stored
-    row-major, on a CPU with AVX512-BF16, 1 <= M <= `max_rows`, the kernels built."""
+    row-major, on a CPU with AVX-512, 1 <= M <= `max_rows`, the kernels built."""
     return (
         ENABLED
         and rows.dim() == 2
@@ -32,7 +34,7 @@ def supports(rows: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS)
         and weight.dtype == torch.bfloat16
         and weight.is_contiguous()
         and rows.device.type == "cpu"
-        and _cpu_has_bf16_dot()
+        and _cpu_has_avx512()
         and cpu_build.available()
     )
 

@@ -1,5 +1,6 @@
 """`deepinfer::packed_linear` against `F.linear`: eager, compiled, after an in-place write to the
-weight, and the plain fallback; `Linear` and a loaded dense model packing their weights."""
+weight, widened, with rows on the plain weight, and the plain fallback; `Linear` and a loaded
+dense model packing their weights."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import torch.nn.functional as F
 
 from daemon.models.layers import Linear
 from daemon.models.loader import load_model
-from kernels import packed_linear
+from kernels import cpu_build, packed_linear
 from tests.checkpoints import make_dense_checkpoint
 from tests.daemons import in_checkout
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(
     not packed_linear.supported(torch.empty(1, 1, dtype=BF16)),
-    reason="this CPU's oneDNN has no bf16 instructions (or DEEPINFER_CPU_KERNELS=0)",
+    reason="no plan packs bf16 on this CPU (or DEEPINFER_CPU_KERNELS=0)",
+)
+needs_kernels = pytest.mark.skipif(
+    not (packed_linear.ENABLED and cpu_build.available()), reason="the C++ kernels did not build"
 )
 
 
@@ -64,20 +68,52 @@ def test_a_weight_not_packed_runs_plain() -> None:
         x = torch.randn(3, 8, dtype=w.dtype)
         with torch.inference_mode():
             assert torch.equal(packed_linear.linear(x, w, None), F.linear(x, w))
-    # fp32 packing is offered on AMD CPUs only (where MKL's GEMM is off its fast path)
+    # fp32 is packed on AMD CPUs and Intel ones without AMX (where MKL's GEMM is slower)
     assert packed_linear.pack(torch.randn(16, 8)) == packed_linear.packs_fp32()
     assert not packed_linear.pack(torch.randn(16, 8).half())
 
 
-def test_fp32_packing_follows_the_cpu_vendor(tmp_path) -> None:
-    amd, intel = tmp_path / "amd", tmp_path / "intel"
+def test_fp32_packing_follows_the_cpu(tmp_path) -> None:
+    amd, intel, amx = tmp_path / "amd", tmp_path / "intel", tmp_path / "amx"
     amd.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
-    intel.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n")
-    assert packed_linear.packs_fp32(amd) and not packed_linear.packs_fp32(intel)
+    flags = "flags\t\t: fpu avx512f avx512bw"
+    intel.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\n{flags}\n")
+    amx.write_text(f"processor\t: 0\nvendor_id\t: GenuineIntel\n{flags} amx_bf16 amx_tile\n")
+    assert packed_linear.packs_fp32(amd) and packed_linear.packs_fp32(intel)
+    assert not packed_linear.packs_fp32(amx)
     assert not packed_linear.packs_fp32(tmp_path / "missing")
 
 
-@pytest.mark.skipif(not packed_linear.packs_fp32(), reason="fp32 is packed on AMD CPUs only")
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 300])
+def test_widened_bf16_equals_plain_linear(rows: int) -> None:
+    """A bf16 weight packed in fp32 (CPUs without bf16 arithmetic): bf16 in and out, the same
+    sums; no rows on the plain weight here, so every count runs widened."""
+    w, b = weights(200, 96, rows)
+    assert packed_linear.pack(w, packed_linear.Plan(widen=True))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(9)).to(BF16)
+    with torch.inference_mode():
+        out = packed_linear.linear(x, w, b)
+        assert out.dtype == BF16 and close(out, F.linear(x.float(), w.float(), b.float()))
+        assert close(packed_linear.linear(x, w, None), F.linear(x.float(), w.float()))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64])
+def test_fp32_rows_on_the_plain_weight(rows: int) -> None:
+    """Up to the plan's small rows run on the plain fp32 weight (MKL), more on the packed
+    copy: a write through `.data` (not counted as a write) shows in the first only."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(200, 96, generator=g) * 0.05, torch.randn(200, generator=g)
+    assert packed_linear.pack(w, packed_linear.Plan(small_rows=2))
+    before = w.clone()
+    w.data.mul_(-1)
+    x = torch.randn(rows, 96, generator=g)
+    with torch.inference_mode():
+        read = w if rows <= 2 else before
+        torch.testing.assert_close(packed_linear.linear(x, w, b), F.linear(x, read, b))
+
+
+@pytest.mark.skipif(not packed_linear.packs_fp32(), reason="fp32 is not packed on this CPU")
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_packed_fp32_equals_plain_linear(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)

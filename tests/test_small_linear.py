@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from kernels import packed_linear, small_linear
 
 BF16 = torch.bfloat16
-needs_bf16_dot = pytest.mark.skipif(
+needs_avx512 = pytest.mark.skipif(
     not small_linear.supports(torch.empty(1, 1, dtype=BF16), torch.empty(1, 1, dtype=BF16)),
-    reason="this CPU has no AVX512-BF16 (or DEEPINFER_CPU_KERNELS=0, or no C++ compiler)",
+    reason="this CPU has no AVX-512 (or DEEPINFER_CPU_KERNELS=0, or no C++ compiler)",
 )
 
 
@@ -34,7 +34,7 @@ def within_a_rounding(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert bool((err <= 2**-8 * ref.abs() + 1e-3).all()), float(err.max())
 
 
-@needs_bf16_dot
+@needs_avx512
 @pytest.mark.parametrize("m", range(1, small_linear.MAX_ROWS + 1))
 @pytest.mark.parametrize(
     ("n", "k"),
@@ -49,7 +49,7 @@ def test_matches_fp32_linear(m: int, n: int, k: int) -> None:
     within_a_rounding(small_linear.small_linear(x, w, b), reference(x, w, b))
 
 
-@needs_bf16_dot
+@needs_avx512
 def test_strided_inputs_are_read_as_their_values() -> None:
     x, w, _ = operands(2, 64, 96, seed=3)
     xt = x.t().contiguous().t()  # column-major rows
@@ -75,18 +75,27 @@ def test_supports_only_what_it_serves() -> None:
     assert not small_linear.supports(x, w.t().contiguous().t()[:, :32])  # a strided weight
 
 
-@needs_bf16_dot
-def test_packed_linear_hands_it_a_few_rows_and_onednn_the_rest() -> None:
-    """Up to SMALL_ROWS rows are read from the plain weight (small_linear), more from oneDNN's
-    packed copy: a write through `.data` (which does not count as a write, so nothing is
-    packed again) shows in the first only. The two kernels otherwise often agree bitwise."""
+@needs_avx512
+@pytest.mark.parametrize(
+    "how",
+    [
+        packed_linear.Plan(small_rows=packed_linear.SMALL_ROWS),
+        packed_linear.Plan(widen=True, small_rows=small_linear.MAX_ROWS),
+    ],
+    ids=["bf16-packed", "fp32-packed"],
+)
+def test_packed_linear_hands_it_a_few_rows_and_onednn_the_rest(how: packed_linear.Plan) -> None:
+    """Up to the plan's small rows are read from the plain weight (small_linear), more from
+    oneDNN's packed copy (bf16, or widened to fp32 where the CPU has no bf16 arithmetic): a
+    write through `.data` (which does not count as a write, so nothing is packed again) shows
+    in the first only. The kernels otherwise often agree bitwise."""
     w, b = operands(1, 300, 576, seed=5)[1:]
-    assert packed_linear.pack(w)
+    assert packed_linear.pack(w, how)
     before = w.clone()
     w.data.mul_(-1)
     with torch.inference_mode():
-        for m in (1, packed_linear.SMALL_ROWS, packed_linear.SMALL_ROWS + 1, 8):
+        for m in (1, how.small_rows, how.small_rows + 1, 16):
             x = operands(m, 300, 576, seed=m)[0]
             out = packed_linear.linear(x.view(1, m, 576), w, b).view(m, 300)
-            read = w if m <= packed_linear.SMALL_ROWS else before
+            read = w if m <= how.small_rows else before
             within_a_rounding(out, reference(x, read, b))

@@ -12,6 +12,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define DEEPINFER_GREEDY_AVX512 1
+#include "vec_bf16.h"
 #endif
 
 namespace {
@@ -22,8 +23,7 @@ inline float as_float(at::BFloat16 x) { return static_cast<float>(x); }
 #ifdef DEEPINFER_GREEDY_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  return deepinfer_vec::widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 #endif
 

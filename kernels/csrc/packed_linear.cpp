@@ -1,7 +1,10 @@
 // deepinfer::packed_linear on a CPU: F.linear on the copy of the weight that oneDNN packed at
 // load, found here by the weight's storage, shape and strides (no Python in a call: ~5 us a
 // call less, 121 calls a step of SmolLM2-135M), packed again if the weight was written in
-// place; up to `small_rows` bf16 rows go to small_linear on the plain weight instead.
+// place. Up to `small_rows` rows go to the plain weight instead (bf16: small_linear; fp32:
+// at::linear). A bf16 weight may be packed widened to fp32, for CPUs without bf16 arithmetic,
+// where oneDNN's bf16 GEMM is emulated and ~3x slower than its fp32 one: the rows are widened
+// and the output rounded to bf16, the same sums of the same values.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -36,10 +39,11 @@ struct KeyHash {
 };
 
 struct Packed {
-  at::Tensor packed;
+  at::Tensor packed;   // oneDNN's copy of the weight, in fp32 if `widened`
   int64_t version;     // the weight's version counter when packed
   int64_t pack_rows;   // the rows oneDNN was told to expect
-  int64_t small_rows;  // up to this many rows go to small_linear (0: none)
+  int64_t small_rows;  // up to this many rows run on the plain weight (0: none)
+  bool widened;
 };
 
 std::mutex mu;
@@ -49,10 +53,10 @@ Key key_of(const at::Tensor& w) {
   return {reinterpret_cast<int64_t>(w.data_ptr()), w.size(0), w.size(1), w.stride(0), w.stride(1)};
 }
 
-at::Tensor reorder(const at::Tensor& weight, int64_t rows) {
+at::Tensor reorder(const at::Tensor& weight, int64_t rows, bool widen) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
-  torch::jit::Stack stack{weight.contiguous(), rows};
+  torch::jit::Stack stack{widen ? weight.to(at::kFloat).contiguous() : weight.contiguous(), rows};
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -67,10 +71,15 @@ at::Tensor onednn_linear(const at::Tensor& rows, const at::Tensor& packed,
   return stack[0].toTensor();
 }
 
-void pack(const at::Tensor& weight, int64_t pack_rows, int64_t small_rows) {
+void pack(const at::Tensor& weight, int64_t pack_rows, int64_t small_rows, bool widen) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "a 2-d CPU weight");
+  TORCH_CHECK(!widen || weight.scalar_type() == at::kBFloat16, "only bf16 weights are widened");
+  TORCH_CHECK(small_rows == 0 || weight.scalar_type() == at::kFloat ||
+                  weight.scalar_type() == at::kBFloat16,
+              "small rows need a bf16 or fp32 weight");
   at::NoGradGuard no_grad;
-  Packed entry{reorder(weight, pack_rows), weight._version(), pack_rows, small_rows};
+  Packed entry{reorder(weight, pack_rows, widen), weight._version(), pack_rows, small_rows,
+               widen};
   std::lock_guard<std::mutex> hold(mu);
   table[key_of(weight)] = std::move(entry);
 }
@@ -91,23 +100,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
   }
   at::Tensor packed;
   int64_t small_rows = 0;
+  bool widened = false;
   {
     std::lock_guard<std::mutex> hold(mu);
     auto it = table.find(key_of(weight));
     if (it == table.end()) return at::linear(x, weight, bias);
     if (it->second.version != weight._version()) {  // written since it was packed
       at::NoGradGuard no_grad;
-      it->second.packed = reorder(weight, it->second.pack_rows);
+      it->second.packed = reorder(weight, it->second.pack_rows, it->second.widened);
       it->second.version = weight._version();
     }
     packed = it->second.packed;
     small_rows = it->second.small_rows;
+    widened = it->second.widened;
   }
   auto sizes = x.sizes().vec();
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();
   sizes.back() = weight.size(0);
   if (rows.size(0) >= 1 && rows.size(0) <= small_rows) {
-    return small_linear(rows, weight, bias).view(sizes);
+    if (weight.scalar_type() == at::kBFloat16) return small_linear(rows, weight, bias).view(sizes);
+    return at::linear(rows, weight, bias).view(sizes);
+  }
+  if (widened) {
+    c10::optional<at::Tensor> wide_bias;
+    if (bias.has_value() && bias->defined()) wide_bias = bias->to(at::kFloat);
+    return onednn_linear(rows.to(at::kFloat), packed, wide_bias).to(x.scalar_type()).view(sizes);
   }
   return onednn_linear(rows, packed, bias).view(sizes);
 }
@@ -115,7 +132,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 // packed_linear's schema and shape-only implementation are in kernels/packed_linear.py; the
 // table's two ops have no tensor to dispatch on, hence catch-all kernels defined here.
 TORCH_LIBRARY_FRAGMENT(deepinfer, m) {
-  m.def("packed_linear_pack(Tensor weight, int pack_rows, int small_rows) -> ()", &pack);
+  m.def("packed_linear_pack(Tensor weight, int pack_rows, int small_rows, bool widen) -> ()",
+        &pack);
   m.def("packed_linear_forget(int ptr, int n, int k, int s0, int s1) -> ()", &forget);
 }
 TORCH_LIBRARY_IMPL(deepinfer, CPU, m) { m.impl("packed_linear", &packed_linear); }

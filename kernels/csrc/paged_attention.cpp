@@ -3,7 +3,8 @@
 // agree (a request's verify rows: one per draft position) form a span that reads each chunk
 // of K/V from memory once for all its rows. Parallel over (span, piece of its context); a
 // task takes every KV head of each 16-token chunk in turn, so a chunk's rows are read side by
-// side. Pieces of one context are merged at the end.
+// side. Pieces of one context are merged at the end. Vector code needs AVX-512 (F, BW, VL,
+// DQ); bf16 products use AVX512-BF16 where the CPU has it, fp32 FMAs elsewhere.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -18,9 +19,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #include <immintrin.h>
 #define DEEPINFER_AVX512 1
+#include "vec_bf16.h"
 #include "vec_exp.h"
 #endif
 
@@ -112,6 +115,8 @@ void attend_generic(const Problem& pb, const Span& sp, const T* q, const T* kc, 
 #ifdef DEEPINFER_AVX512
 
 using deepinfer_vec::exp_neg;
+using deepinfer_vec::Pairs;
+using deepinfer_vec::widen_bf16;
 
 // Lane j of the result = the sum of v[j]'s 16 lanes (a transpose-and-add tree).
 inline __m512 hsum16(const __m512* v) {
@@ -139,14 +144,11 @@ inline void load_row(const float* p, __m512* out) {
 }
 template <int D>
 inline void load_row(const at::BFloat16* p, __m512* out) {
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
-  for (int i = 0; i < D / 16; ++i) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 16 * i));
-    out[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-  }
+  for (int i = 0; i < D / 16; ++i)
+    out[i] = widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * i)));
 }
 
-// The query of one head, held as the key loads it: fp32 lanes, or bf16 pairs for dpbf16.
+// The query of one head, held as the key loads it: fp32 lanes, or bf16 pairs (vec_bf16.h).
 template <typename T, int D>
 struct QueryRegs;
 
@@ -164,14 +166,14 @@ struct QueryRegs<float, D> {
 
 template <int D>
 struct QueryRegs<at::BFloat16, D> {
-  __m512bh r[D / 32];
+  Pairs r[D / 32];
   void load(const at::BFloat16* q) {
-    for (int i = 0; i < D / 32; ++i) r[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    for (int i = 0; i < D / 32; ++i) r[i] = deepinfer_vec::pairs(_mm512_loadu_si512(q + 32 * i));
   }
   inline __m512 dot(const at::BFloat16* k) const {
     __m512 s = _mm512_setzero_ps();
     for (int i = 0; i < D / 32; ++i)
-      s = _mm512_dpbf16_ps(s, r[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      s = deepinfer_vec::dot(s, r[i], deepinfer_vec::pairs(_mm512_loadu_si512(k + 32 * i)));
     return s;
   }
 };
@@ -190,6 +192,7 @@ inline void accumulate_v(__m512 (&acc)[G][D / 16], const float (&probs)[G][kChun
   }
 }
 
+#ifdef __AVX512BF16__
 // bf16 caches: acc[g] += sum_j probs[g][j] * v_j by dpbf16 over token pairs, the probabilities
 // rounded to bf16 (as flash kernels round P for their P.V product) and `sums[g]` the sum of
 // those rounded ones (the softmax's denominator of the same weights). A pair's V rows are
@@ -204,8 +207,7 @@ inline void accumulate_v_pairs(__m512 (&acc)[G][D / 16], const float (&probs)[G]
   for (int g = 0; g < G; ++g) {
     const __m256bh p = _mm512_cvtneps_pbh(_mm512_load_ps(probs[g]));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[g]), (__m256i)p);
-    const __m512 rounded = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)p), 16));
+    const __m512 rounded = widen_bf16((__m256i)p);
     sums[g] = _mm512_reduce_add_ps(rounded);  // lanes past n hold 0
   }
   const __m512i zero = _mm512_setzero_si512();
@@ -240,15 +242,21 @@ inline void unpermute(float* acc) {
     _mm512_storeu_ps(acc + 32 * i + 16, _mm512_permutex2var_ps(lo, i2, hi));
   }
 }
+#endif  // __AVX512BF16__
 
 template <typename T, int D, int G>
 void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* kc,
                    const T* vc, int64_t begin, int64_t end, float* state_span,
                    int64_t head_step) {
   constexpr int V = D / 16;  // fp32 vectors per row
-  // bf16 caches take P.V by dpbf16 (accumulate_v_pairs); the state is in its lane order
-  // until the task's last chunk (it starts at zero, which any order holds)
+  // bf16 caches take P.V by dpbf16 (accumulate_v_pairs) where the CPU has it; the state is
+  // in its lane order until the task's last chunk (it starts at zero, which any order holds).
+  // Without dpbf16, a pair's products cost what the widened rows' FMAs cost: accumulate_v.
+#ifdef __AVX512BF16__
   constexpr bool kPairs = std::is_same_v<T, at::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
   const int64_t bs = pb.block_size, hkv = pb.hkv, row_stride = hkv * D;
   const __m512 scale = _mm512_set1_ps(pb.scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -308,11 +316,14 @@ void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* 
           if constexpr (!kPairs) l[g] += _mm512_reduce_add_ps(p);
         }
         const T* vrow = vc + (first * hkv + h) * D;
+#ifdef __AVX512BF16__
         if constexpr (kPairs) {
           float sums[G];
           accumulate_v_pairs<D, G>(acc, probs, sums, vrow, n_r, row_stride);
           for (int g = 0; g < G; ++g) l[g] += sums[g];
-        } else {
+        } else
+#endif
+        {
           accumulate_v<T, D, G>(acc, probs, vrow, n_r, row_stride);
         }
         for (int g = 0; g < G; ++g)
@@ -321,11 +332,13 @@ void attend_avx512(const Problem& pb, const Span& sp, const T* q_span, const T* 
     }
     t0 += n;
   }
+#ifdef __AVX512BF16__
   if constexpr (kPairs)
     for (int r = 0; r < sp.rows; ++r)
       for (int64_t h = 0; h < hkv; ++h)
         for (int g = 0; g < G; ++g)
           unpermute<D>(state_span + (r * hkv + h) * head_step + g * D);
+#endif
 }
 
 #endif  // DEEPINFER_AVX512

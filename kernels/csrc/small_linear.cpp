@@ -1,6 +1,7 @@
 // y = x W^T for a few bf16 rows (decode at low concurrency): W [N, K] read once, in place, front
-// to back, each 32-element chunk of a weight row dotted with every row of x by dpbf16 (fp32
-// sums), the next block's lines prefetched. `bench.cpu_kernels linear` against oneDNN.
+// to back, each 32-element chunk of a weight row dotted with every row of x (fp32 sums: dpbf16
+// where the CPU has AVX512-BF16, else fp32 FMAs on the widened halves), the next block's lines
+// prefetched. `bench.cpu_kernels linear` against oneDNN.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -11,9 +12,10 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DEEPINFER_SMALL_LINEAR 1
+#include "vec_bf16.h"
 #endif
 
 namespace {
@@ -21,8 +23,12 @@ namespace {
 constexpr int64_t kMaxRows = 8;
 
 #ifdef DEEPINFER_SMALL_LINEAR
-inline __m512bh load_pairs(const at::BFloat16* p, __mmask32 tail) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(tail, p);
+using deepinfer_vec::Pairs;
+inline Pairs load_pairs(const at::BFloat16* p) {
+  return deepinfer_vec::pairs(_mm512_loadu_si512(p));
+}
+inline Pairs load_pairs(const at::BFloat16* p, __mmask32 tail) {
+  return deepinfer_vec::pairs(_mm512_maskz_loadu_epi16(tail, p));
 }
 
 // Output features [lo, hi) for all M rows of x, NB weight rows at a time.
@@ -38,21 +44,21 @@ void dot_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* 
       for (int m = 0; m < M; ++m) acc[b][m] = _mm512_setzero_ps();
     const at::BFloat16* wj = w + j * k;
     for (int64_t c = 0; c < full; c += 32) {
-      __m512bh xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c);
+      Pairs xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = load_pairs(x + m * k + c);
       for (int b = 0; b < NB; ++b) {
         // the next block's rows, at this chunk: a 4 KiB page's first lines are not left to
         // the hardware prefetcher, which stops at page ends
         _mm_prefetch(reinterpret_cast<const char*>(wj + (NB + b) * k + c), _MM_HINT_T0);
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wj + b * k + c);
-        for (int m = 0; m < M; ++m) acc[b][m] = _mm512_dpbf16_ps(acc[b][m], wv, xs[m]);
+        const Pairs wv = load_pairs(wj + b * k + c);
+        for (int m = 0; m < M; ++m) acc[b][m] = deepinfer_vec::dot(acc[b][m], wv, xs[m]);
       }
     }
     if (full < k) {
       for (int b = 0; b < NB; ++b) {
-        const __m512bh wv = load_pairs(wj + b * k + full, tail);
+        const Pairs wv = load_pairs(wj + b * k + full, tail);
         for (int m = 0; m < M; ++m)
-          acc[b][m] = _mm512_dpbf16_ps(acc[b][m], wv, load_pairs(x + m * k + full, tail));
+          acc[b][m] = deepinfer_vec::dot(acc[b][m], wv, load_pairs(x + m * k + full, tail));
       }
     }
     for (int b = 0; b < NB; ++b) {
@@ -67,7 +73,9 @@ void dot_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* 
 template <int M>
 void small_linear_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
                        at::BFloat16* y, int64_t k, int64_t n) {
-  constexpr int NB = M <= 2 ? 8 : M <= 4 ? 4 : 2;  // NB * M sums and NB + M inputs: 32 registers
+  // NB * M sums and NB + M inputs (each 1 register with dpbf16, else 2) in 32 registers
+  constexpr int kRegs = sizeof(Pairs) / sizeof(__m512);
+  constexpr int NB = M <= 2 ? 8 : M <= 4 ? 4 : kRegs == 1 ? 2 : 1;
   // chunks of 64 features: a thread's share is contiguous, read front to back
   at::parallel_for(0, (n + 63) / 64, 1, [&](int64_t lo, int64_t hi) {
     dot_rows<M, NB>(x, w, bias, y, k, n, lo * 64, std::min(hi * 64, n));
@@ -84,7 +92,7 @@ constexpr RowsFn kByRows[kMaxRows] = {
 }  // namespace
 
 // x [M, K] bf16 (1 <= M <= 8), weight [N, K] bf16, bias [N] bf16 or none -> [M, N] bf16;
-// the sums in fp32, as oneDNN's. Where the library was built without AVX512-BF16: F.linear.
+// the sums in fp32, as oneDNN's. Where the library was built without AVX-512: F.linear.
 at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& weight_in,
                         const c10::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2 && weight_in.dim() == 2, "x must be [M, K], weight [N, K]");
