@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -25,6 +26,15 @@ def extensions_dir() -> Path:
         return Path(env)
     cache = os.environ.get("DEEPINFER_CACHE", str(Path.home() / ".cache" / "deepinfer"))
     return Path(cache) / "torch-extensions"
+
+
+def headers_digest() -> str:
+    """A digest of csrc's headers: torch rebuilds when a source or a flag changes, not a header,
+    so the digest rides in the flags."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 _loaded: bool | None = None  # load()'s answer, once it has given one
@@ -60,7 +70,7 @@ def load() -> bool:
             cpp_extension.load(
                 name="deepinfer_cpu_kernels",
                 sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
-                extra_cflags=CFLAGS,
+                extra_cflags=[*CFLAGS, f"-DDEEPINFER_HEADERS={headers_digest()}"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 is_python_module=False,

@@ -32,3 +32,13 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path: Path) -> None:
     assert "loaded True" in done.stdout
     assert "cpu_kernels_stale_lock_removed" in done.stderr + done.stdout
     assert not (copy / "lock").exists()
+
+
+def test_a_header_edit_changes_the_build_flags(tmp_path, monkeypatch) -> None:
+    """torch rebuilds on a source or flag change only: the headers' digest is in the flags."""
+    (tmp_path / "vec.h").write_text("inline int f() { return 1; }\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path)
+    before = cpu_build.headers_digest()
+    assert cpu_build.headers_digest() == before
+    (tmp_path / "vec.h").write_text("inline int f() { return 2; }\n")
+    assert cpu_build.headers_digest() != before
