@@ -5,12 +5,13 @@
     python -m bench.cpu_kernels verify [--batch 64 --context 400 --drafts 0 1 2 4 8]
     python -m bench.cpu_kernels prefill [--dtypes bf16 fp32 --chunks 256/256 2000/2000 32/300]
     python -m bench.cpu_kernels sampling [--batches 16 64 --vocab 49152]
-    python -m bench.cpu_kernels linear [--rows 1 2 4 8]
+    python -m bench.cpu_kernels linear [--rows 1 2 4 8 16 64]
     python -m bench.cpu_kernels layers --model /tmp/smollm2-hf [--batches 1 2 16 64 --dtype bf16]
     python -m bench.cpu_kernels engine --model /tmp/smollm2-hf [--concurrency 16 64 --dtype bf16]
 
 `attention`: one layer's paged decode attention at SmolLM2-135M's shapes (9 / 3 heads, head_dim
-64, blocks of 16 scattered over a pool), the C++ op vs gather + SDPA, alternating calls, medians.
+64, blocks of 16 scattered over a pool), the C++ op (its vector kernel, and its scalar one: what
+a CPU without the vector path runs) vs gather + SDPA, alternating calls, medians.
 `scatter`: a decode step's paged attention over 30 layers, each with its own cache (so it reads
 from memory, not from the last level cache, as a step does), by how often a sequence's next
 block follows its last one in memory (adjacency 1: every table ascending; 0: blocks
@@ -27,8 +28,9 @@ before), GFLOP/s.
 greedy: the C++ `greedy_rows` vs torch's `max`.
 `linear`: the linears of a decode step at SmolLM2-135M's shapes (30 layers' q/k/v, o, gate/up
 and down, and the tied head; each its own weight, so they are read from memory) on M rows:
-`small_linear` (weights in place) vs oneDNN's GEMM on weights packed as the engine packs
-them, alternating, medians; GB/s of weights read.
+`small_linear` (weights in place, up to 8 rows) vs oneDNN's GEMM on the bf16 weights packed,
+oneDNN's fp32 GEMM on them widened (bf16 rows in and out: the plan on CPUs without bf16
+arithmetic) and MKL's fp32 `F.linear`, alternating, medians; GB/s of bf16 weights read.
 `layers`: a decode step's 30 layers and final norm (the tokens embedded, the logits not) of a
 real model at B sequences (contexts of ~300 tokens in blocks of their own), through the fused
 op (`FusedDecode`, one C++ call) vs the compiled decode layer (30 calls of inductor's graph),
@@ -72,7 +74,7 @@ def attention(args: argparse.Namespace) -> None:
     paged_attention_cpu.build()
     hq, hkv, dim, bs = HQ, HKV, DIM, 16
     header("paged decode attention", args)
-    print("dtype  batch  ctx   op µs (auto)  op µs (1 piece)  gather+SDPA µs  speed-up")
+    print("dtype  batch  ctx   op µs (auto)  op µs (1 piece)  scalar µs  gather+SDPA µs  speed-up")
     for name in args.dtypes:
         dtype = DTYPES[name]
         for b in args.batches:
@@ -87,20 +89,26 @@ def attention(args: argparse.Namespace) -> None:
                 tables = torch.randperm(pool, generator=g)[: b * blocks].view(b, blocks)
                 mask = context_mask(lens, blocks * bs)
 
-                def op(splits: int, q=q, kc=kc, vc=vc, tables=tables, lens=lens) -> object:
+                def op(
+                    splits: int, generic: bool = False, q=q, kc=kc, vc=vc, tables=tables, lens=lens
+                ) -> object:
                     return paged_decode_attention(
-                        q, kc, vc, tables, lens, dim**-0.5, bs, splits=splits
+                        q, kc, vc, tables, lens, dim**-0.5, bs, splits=splits, generic=generic
                     )
 
                 def ref(q=q, kc=kc, vc=vc, tables=tables, mask=mask) -> object:
                     return paged_decode_reference(q, kc, vc, tables, mask, dim**-0.5, bs)
 
-                t = median_us(
-                    {"op": lambda: op(0), "op1": lambda: op(1), "ref": ref}, args.reps, args.stat
-                )
+                fns = {
+                    "op": lambda: op(0),
+                    "op1": lambda: op(1),
+                    "scalar": lambda: op(0, generic=True),
+                    "ref": ref,
+                }
+                t = median_us(fns, args.reps, args.stat)
                 print(
                     f"{name:5s} {b:6d} {ctx:5d} {t['op']:13.1f} {t['op1']:16.1f} "
-                    f"{t['ref']:15.1f} {t['ref'] / t['op']:8.2f}x",
+                    f"{t['scalar']:10.1f} {t['ref']:15.1f} {t['ref'] / t['op']:8.2f}x",
                     flush=True,
                 )
 
@@ -322,16 +330,24 @@ def linear(args: argparse.Namespace) -> None:
     bf16 = torch.bfloat16
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     weights = [torch.randn(shape, dtype=bf16) * 0.05 for shape in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_ROWS) for w in weights]
+    rows = packed_linear.PACK_ROWS
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    wide = [w.float() for w in weights]
+    widened = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in wide]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     print(
         f"the linears of a decode step at SmolLM2-135M's shapes ({len(weights)} weights, "
-        f"{nbytes / 1e6:.0f} MB), small_linear vs oneDNN packed, median of {args.reps}, "
-        f"{machine()}"
+        f"{nbytes / 1e6:.0f} MB in bf16), median of {args.reps}, {machine()}: small_linear "
+        "(bf16, dpbf16 or fp32 FMAs), oneDNN packed bf16, oneDNN packed on the weights widened "
+        "to fp32 (bf16 rows widened, the output rounded: the plan where the CPU has no bf16 "
+        "arithmetic), MKL's fp32 F.linear"
     )
-    print("rows  small_linear ms   GB/s   oneDNN ms   GB/s  speed-up")
+    print(
+        "rows  small_linear ms   GB/s   oneDNN bf16 ms   widened ms   fp32 MKL ms  best other ÷ ours"
+    )
     for m in args.rows:
         xs = {k: torch.randn(m, k, dtype=bf16) for k in (576, 1536)}
+        x32 = {k: v.float() for k, v in xs.items()}
 
         def ours(xs=xs) -> object:
             return [small_linear.small_linear(xs[w.shape[1]], w) for w in weights]
@@ -342,12 +358,26 @@ def linear(args: argparse.Namespace) -> None:
                 for w, p in zip(weights, packed, strict=True)
             ]
 
-        t = median_us({"ours": ours, "onednn": onednn}, args.reps)
-        ms = {k: v / 1e3 for k, v in t.items()}
+        def widen(xs=xs) -> object:
+            return [
+                torch.ops.mkldnn._linear_pointwise(
+                    xs[w.shape[1]].float(), p, None, "none", [], ""
+                ).to(bf16)
+                for w, p in zip(weights, widened, strict=True)
+            ]
+
+        def mkl(x32=x32) -> object:
+            return [torch.nn.functional.linear(x32[w.shape[1]], w) for w in wide]
+
+        fns = {"ours": ours, "onednn": onednn, "widened": widen, "mkl": mkl}
+        if m > small_linear.MAX_ROWS:
+            del fns["ours"]
+        ms = {k: v / 1e3 for k, v in median_us(fns, args.reps).items()}
+        other = min(ms["onednn"], ms["widened"], ms["mkl"])
+        mine = ms.get("ours", float("nan"))
         print(
-            f"{m:4d}  {ms['ours']:15.2f} {nbytes / ms['ours'] / 1e6:6.1f} "
-            f"{ms['onednn']:11.2f} {nbytes / ms['onednn'] / 1e6:6.1f} "
-            f"{ms['onednn'] / ms['ours']:8.2f}x",
+            f"{m:4d}  {mine:15.2f} {nbytes / mine / 1e6:6.1f} {ms['onednn']:16.2f} "
+            f"{ms['widened']:12.2f} {ms['mkl']:13.2f} {other / mine:10.2f}x",
             flush=True,
         )
 
@@ -497,7 +527,7 @@ def main() -> None:
     s.add_argument("--reps", type=int, default=9)
     s.add_argument("--stat", choices=list(STAT), default="median")
     li = sub.add_parser("linear")
-    li.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8])
+    li.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 64])
     li.add_argument("--reps", type=int, default=9)
     ly = sub.add_parser("layers")
     ly.add_argument("--model", default="/tmp/smollm2-hf")

@@ -18,9 +18,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
 #include <immintrin.h>
 #define DEEPINFER_AVX512 1
+#include "vec_bf16.h"
 #include "vec_exp.h"
 #endif
 
@@ -72,8 +74,9 @@ void pack_values(const float* v, int64_t stride, int64_t n, int64_t D, float* ou
 }
 
 // 16 probabilities stored as the P operand's type.
-inline void store_probs(__m512 p, bf16* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(p));
+inline void store_probs(__m512 p, bf16* out) {  // rounded to nearest even, as cvtneps
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(deepinfer_vec::to_bf16_bits(p)));
 }
 inline void store_probs(__m512 p, float* out) { _mm512_storeu_ps(out, p); }
 
@@ -221,7 +224,7 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, a
   else
     run(s, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX-512 with BF16 (not in this build)");
+  TORCH_CHECK(false, "prefill_attention needs AVX-512 (not in this build)");
 #endif
 }
 
