@@ -25,9 +25,10 @@ PACK_ROWS = 16
 # 30 layers and head on 2 Zen 5 cores, weights from memory, 1.05-1.18x oneDNN's packed GEMM at
 # 1 row, 1.02-1.21x at 2; at 4 and 8 rows 0.84-1.11x from run to run, level in the engine at 4
 SMALL_ROWS = 2
-# fp32 rows MKL's `F.linear` takes on an Intel CPU without AMX: SmolLM2-135M's 120 layer
-# linears on 2 Xeon (Ice Lake) cores, 24.4 ms plain against 31.7 packed at 1 row, 26.4 / 33.6
-# at 2, then 53.4 / 29.9 at 4, 101.8 / 41.2 at 16
+# fp32 rows MKL's `F.linear` takes on an Intel CPU without AMX: SmolLM2-135M's linears on 2
+# Xeon (Ice Lake) cores (`bench.cpu_kernels linear`, its MKL and widened arms: the widened one
+# is oneDNN's packed fp32 GEMM plus the rows' conversions) 27.1 ms plain against 44.2 packed
+# at 1 row, 28.6 / 43.1 at 2, then 83.6 / 53.9 at 8, 138.0 / 53.1 at 16
 PLAIN_FP32_ROWS = 2
 
 _Key = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -40,9 +41,9 @@ _packed: dict[_Key, tuple[int, torch.Tensor, int]] = {}
 class Plan:
     """How one weight's linears run: on oneDNN's packed copy of it, widened to fp32 first if
     `widen` (a bf16 weight on a CPU without bf16 arithmetic, where oneDNN's emulated bf16 GEMM
-    ran SmolLM2's layers at 16 rows 2.3x slower than its fp32 one: the same sums of the same
-    values, the output rounded to bf16), and up to `small_rows` rows on the plain weight
-    (bf16: `small_linear`; fp32: MKL's `F.linear`)."""
+    ran SmolLM2's linears 2.0x slower than its fp32 one at 16 rows, 2.8x at 64: the same sums
+    of the same values, the output rounded to bf16), and up to `small_rows` rows on the plain
+    weight (bf16: `small_linear`; fp32: MKL's `F.linear`)."""
 
     widen: bool = False
     small_rows: int = 0
@@ -55,8 +56,8 @@ def plan(weight: torch.Tensor) -> Plan | None:
       16 rows, 35.5 against 27.5 at 64);
     - bf16 without them, where the C++ op builds: widened, and up to `small_linear.MAX_ROWS`
       rows to `small_linear` where it serves (AVX-512: fp32 FMAs on half fp32's bytes;
-      SmolLM2's layers on 2 Ice Lake cores at 1 / 8 rows 12.3 / 20.6 ms against oneDNN's
-      bf16 20.3 / 62.9 and fp32 24.4 / 37.6);
+      SmolLM2's linears on 2 Ice Lake cores at 1 / 8 rows 15.1 / 29.7 ms against oneDNN's
+      bf16 28.1 / 79.1, widened 44.2 / 53.9 and MKL's fp32 27.1 / 83.6);
     - fp32 where `packs_fp32`, rows up to PLAIN_FP32_ROWS plain on Intel."""
     if not (
         ENABLED
@@ -104,7 +105,7 @@ def packs_fp32(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether fp32 weights are packed: on AMD CPUs, where `F.linear` runs MKL's GEMM off its
     Intel fast paths (SmolLM2-135M's 30 layers on 2 AMD EPYC Zen 5 cores: 28.2 ms plain
     against 9.3 packed at 16 rows, 97.7 against 30.0 at 64, 6.3 against 4.3 at 1), and on
-    Intel CPUs without AMX (2 Ice Lake cores: 101.8 against 41.2 ms at 16 rows); on a Xeon
+    Intel CPUs without AMX (2 Ice Lake cores: 138.0 against 53.1 ms at 16 rows); on a Xeon
     with AMX fp32 gained nothing, MKL's GEMM as fast there."""
     text = _cpuinfo(cpuinfo)
     if "AuthenticAMD" in text:
