@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import structlog
+import torch
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +36,13 @@ def headers_digest() -> str:
     for path in sorted(SOURCES.glob("*.h")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def has_avx512() -> bool:
+    """Whether this CPU runs the kernels' vector code: torch's AVX512 level (F, BW, VL, DQ),
+    which -march=native builds it for."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 _loaded: bool | None = None  # load()'s answer, once it has given one

@@ -35,11 +35,6 @@ def _cpu_has_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported()
 
 
-@functools.cache
-def _cpu_has_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the op serves these tensors: CPU with AVX-512 (the build needs it), fp32, or bf16
     where the CPU has AVX512-BF16 (oneDNN's bf16 batch-reduce GEMM needs it), head_dim a
@@ -53,7 +48,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         and q.shape[-1] % 32 == 0
         and q.shape[1] % k.shape[1] == 0
         and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v, out))
-        and _cpu_has_avx512()
+        and cpu_build.has_avx512()
         and (q.dtype == torch.float32 or _cpu_has_bf16())
         and cpu_build.available()
     )

@@ -5,7 +5,6 @@ reads each weight once, in place, 1.04-1.18x faster than oneDNN's packed GEMM at
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -15,12 +14,6 @@ from kernels import cpu_build
 # DEEPINFER_CPU_KERNELS=0: `supports` says no (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
 MAX_ROWS = 8  # the most rows of x the op takes
-
-
-@functools.cache
-def _cpu_has_avx512() -> bool:
-    # torch's AVX512 level is F, BW, VL and DQ, which the kernel's vector path is built for
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def supports(rows: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
@@ -34,7 +27,7 @@ def supports(rows: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS)
         and weight.dtype == torch.bfloat16
         and weight.is_contiguous()
         and rows.device.type == "cpu"
-        and _cpu_has_avx512()
+        and cpu_build.has_avx512()
         and cpu_build.available()
     )
 

@@ -74,9 +74,8 @@ void pack_values(const float* v, int64_t stride, int64_t n, int64_t D, float* ou
 }
 
 // 16 probabilities stored as the P operand's type.
-inline void store_probs(__m512 p, bf16* out) {  // rounded to nearest even, as cvtneps
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(deepinfer_vec::to_bf16_bits(p)));
+inline void store_probs(__m512 p, bf16* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), deepinfer_vec::to_bf16(p));
 }
 inline void store_probs(__m512 p, float* out) { _mm512_storeu_ps(out, p); }
 

@@ -20,6 +20,15 @@ inline __m512i to_bf16_bits(__m512 v) {
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
 
+// 16 fp32 values rounded to bf16 (to nearest even): cvtneps where the CPU has AVX512-BF16
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(to_bf16_bits(v));
+#endif
+}
+
 // 32 bf16 values as an operand of `dot`, each 32-bit lane a pair: as loaded where the CPU has
 // AVX512-BF16 (dpbf16 takes them so), else each pair's halves widened to fp32 once, so that an
 // operand used in many products is split once
