@@ -4,8 +4,6 @@ reference (SDPA with a causal mask)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -30,16 +28,11 @@ def prefill_reference(
     return o.transpose(0, 1)
 
 
-@functools.cache
-def _cpu_has_bf16() -> bool:
-    return torch.cpu._is_avx512_bf16_supported()
-
-
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the op serves these tensors: CPU with AVX-512 (the build needs it), fp32, or bf16
-    where the CPU has AVX512-BF16 (oneDNN's bf16 batch-reduce GEMM needs it), head_dim a
-    multiple of 32, whole KV-head groups, heads as dense rows (each tensor may have its own
-    token stride)."""
+    """Whether the op serves these tensors: CPU with AVX-512 (the build needs it), bf16 or fp32
+    (bf16 widened to fp32 where the CPU has no AVX512-BF16, which oneDNN's bf16 batch-reduce
+    GEMM needs), head_dim a multiple of 32, whole KV-head groups, heads as dense rows (each
+    tensor may have its own token stride)."""
     return (
         paged_attention_cpu.ENABLED
         and q.device.type == "cpu"
@@ -49,7 +42,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         and q.shape[1] % k.shape[1] == 0
         and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v, out))
         and cpu_build.has_avx512()
-        and (q.dtype == torch.float32 or _cpu_has_bf16())
         and cpu_build.available()
     )
 

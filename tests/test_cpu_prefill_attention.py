@@ -1,6 +1,7 @@
 """The C++ prefill attention (kernels/prefill_attention_cpu.py) in bf16 and fp32 against the
 fp32 torch reference: fresh prompts and chunks after cached context, GQA / MHA / MQA, contexts off the
-key-block size, token-strided views; and `paged_attention` running it for prefill chunks."""
+key-block size, token-strided views; and `paged_attention` running it for prefill chunks. bf16 runs
+the code this CPU builds: bf16 products with AVX512-BF16, else widened to fp32."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def usable(dtype: torch.dtype) -> bool:
 pytestmark = pytest.mark.skipif(
     not (cpu_build.load() and usable(torch.float32)), reason="needs AVX-512 and the C++ kernels"
 )
-# bf16 where the CPU has AVX512-BF16, else fp32 (the op's bf16 needs it)
+# bf16 (oneDNN's bf16 products where the CPU has AVX512-BF16, else widened to fp32)
 DTYPE = BF16 if usable(BF16) else torch.float32
 
 
@@ -61,7 +62,7 @@ def test_op_matches_the_fp32_reference_as_closely_as_sdpa_does(
     n: int, ctx: int, hq: int, hkv: int, dim: int, dtype: torch.dtype
 ) -> None:
     if not usable(dtype):
-        pytest.skip("bf16 needs AVX512-BF16")
+        pytest.skip(f"the op does not serve {dtype}")
     q, k, v = case(n, ctx, hq, hkv, dim, dtype)
     out = torch.full_like(q, float("nan"))
     scale = dim**-0.5
@@ -98,7 +99,7 @@ def test_bad_inputs_are_refused() -> None:
 
 def test_paged_attention_runs_it_for_prefill_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode, a fresh prompt and a chunk after 70 cached positions through `paged_attention`
-    in bf16 (fp32 where the CPU has no AVX512-BF16): the prefill rows come from the op and
+    in bf16 (widened where the CPU has no AVX512-BF16): the prefill rows come from the op and
     agree with the torch path (DEEPINFER_CPU_KERNELS=0) as closely as bf16 allows."""
     hq, hkv, dim, block, blocks = 9, 3, 64, 16, 40
     g = torch.Generator().manual_seed(5)

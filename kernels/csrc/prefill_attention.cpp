@@ -1,8 +1,9 @@
 // Causal prefill attention on CPU, bf16 or fp32: flash-style blocks whose two products (Q K^T
 // and P V) run as oneDNN's batch-reduce GEMM into fp32 (torch's cpublas::brgemm; for bf16 AMX
-// where the CPU has it, AVX512-BF16 otherwise), the online softmax in fp32 in between. The
-// query rows of a KV head's whole group share each product. Parallel over (KV head, query
-// block).
+// where the CPU has it, AVX512-BF16 otherwise; without either, bf16 operands are widened to
+// fp32 as they are packed, and the products run in fp32), the online softmax in fp32 in
+// between. The query rows of a KV head's whole group share each product. Parallel over (KV
+// head, query block).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -45,9 +46,11 @@ void pack_keys(const bf16* k, int64_t stride, int64_t n, int64_t D, bf16* out) {
     for (int64_t p = 0; p < D / 2; ++p) o[p * kKeyBlock + t] = t < n ? row[p] : 0u;
   }
 }
-void pack_keys(const float* k, int64_t stride, int64_t n, int64_t D, float* out) {
+template <typename T>
+void pack_keys(const T* k, int64_t stride, int64_t n, int64_t D, float* out) {
   for (int64_t t = 0; t < kKeyBlock; ++t)
-    for (int64_t d = 0; d < D; ++d) out[d * kKeyBlock + t] = t < n ? k[t * stride + d] : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      out[d * kKeyBlock + t] = t < n ? static_cast<float>(k[t * stride + d]) : 0.f;
 }
 
 // V's block [KB, D] as the B operand of P V: for bf16 VNNI ([KB/2][D][2]). Rows past `n` are
@@ -64,12 +67,15 @@ void pack_values(const bf16* v, int64_t stride, int64_t n, int64_t D, bf16* out)
     }
   }
 }
-void pack_values(const float* v, int64_t stride, int64_t n, int64_t D, float* out) {
+template <typename T>
+void pack_values(const T* v, int64_t stride, int64_t n, int64_t D, float* out) {
   for (int64_t t = 0; t < kKeyBlock; ++t) {
-    if (t < n)
+    if (t >= n)
+      std::memset(out + t * D, 0, D * sizeof(float));
+    else if constexpr (std::is_same_v<T, float>)
       std::memcpy(out + t * D, v + t * stride, D * sizeof(float));
     else
-      std::memset(out + t * D, 0, D * sizeof(float));
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] = static_cast<float>(v[t * stride + d]);
   }
 }
 
@@ -91,19 +97,24 @@ struct Shape {
 };
 
 // One task: KV head h, query tokens [i0, i0 + qn). Row r of the products is (head
-// h * group + r / qn, token i0 + r % qn).
-template <typename T>
-void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, int64_t h,
+// h * group + r / qn, token i0 + r % qn). T: the tensors' type; C: the products' operands
+// (T, or fp32 for bf16 widened).
+template <typename T, typename C>
+void attend_block(const Shape& s, const T* q, const C* kp, const C* vp, T* o, int64_t h,
                   int64_t i0, int64_t qn) {
-  constexpr bool vnni = std::is_same_v<T, bf16>;
+  constexpr bool vnni = std::is_same_v<C, bf16>;
   const int64_t D = s.dim, M = s.group * qn, KB = kKeyBlock;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  std::vector<T> qa(M * D);
+  std::vector<C> qa(M * D);
   std::vector<float> scores(M * KB), acc(M * D, 0.f), m(M, kNegInf), l(M, 0.f);
-  std::vector<T> probs(M * KB);
+  std::vector<C> probs(M * KB);
   for (int64_t r = 0; r < M; ++r) {
     const int64_t head = h * s.group + r / qn, tok = i0 + r % qn;
-    std::memcpy(&qa[r * D], q + tok * s.q_stride + head * D, D * sizeof(T));
+    const T* row = q + tok * s.q_stride + head * D;
+    if constexpr (std::is_same_v<T, C>)
+      std::memcpy(&qa[r * D], row, D * sizeof(T));
+    else
+      for (int64_t d = 0; d < D; ++d) qa[r * D + d] = static_cast<C>(row[d]);
   }
   const int64_t first_pos = s.ctx - s.n + i0;  // the context position of token i0
   const int64_t blocks = (first_pos + qn - 1) / KB + 1;
@@ -115,9 +126,9 @@ void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, in
     for (int64_t r = 0; r < M; ++r) {
       const int64_t valid = std::min(KB, first_pos + r % qn + 1 - j * KB);
       float* sr = &scores[r * KB];
-      T* pr = &probs[r * KB];
+      C* pr = &probs[r * KB];
       if (valid <= 0) {
-        std::memset(pr, 0, KB * sizeof(T));
+        std::memset(pr, 0, KB * sizeof(C));
         continue;
       }
       __m512 mx = _mm512_set1_ps(kNegInf);
@@ -156,15 +167,15 @@ void attend_block(const Shape& s, const T* q, const T* kp, const T* vp, T* o, in
   }
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void run(const Shape& s, const T* qd, const T* kd, const T* vd, T* od) {
-  constexpr bool vnni = std::is_same_v<T, bf16>;
+  constexpr bool vnni = std::is_same_v<C, bf16>;
   const int64_t hkv = s.hkv, ctx = s.ctx, D = s.dim, n = s.n, q_rows = s.q_rows;
   const int64_t key_blocks = (ctx + kKeyBlock - 1) / kKeyBlock;
   const int64_t per_head = key_blocks * kKeyBlock * D;
-  std::vector<T> packed(2 * hkv * per_head);
-  T* kp = packed.data();
-  T* vp = kp + hkv * per_head;
+  std::vector<C> packed(2 * hkv * per_head);
+  C* kp = packed.data();
+  C* vp = kp + hkv * per_head;
   at::parallel_for(0, hkv * key_blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t h = i / key_blocks, j = i % key_blocks;
@@ -184,7 +195,7 @@ void run(const Shape& s, const T* qd, const T* kd, const T* vd, T* od) {
     for (int64_t i = 0; i < tasks; ++i) {
       const int64_t h = i % hkv, b = q_blocks - 1 - i / hkv;
       const int64_t i0 = b * q_rows;
-      attend_block(s, qd, kp, vp, od, h, i0, std::min(q_rows, n - i0));
+      attend_block<T, C>(s, qd, kp, vp, od, h, i0, std::min(q_rows, n - i0));
     }
     at::native::cpublas::brgemm_release(vnni);
   }
@@ -218,8 +229,16 @@ void prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale, a
   const int64_t group = hq / hkv;
   const Shape s{n, ctx, hkv, group, D, std::max<int64_t>(1, kRows / group), q.stride(0),
                 k.stride(0), v.stride(0), out.stride(0), static_cast<float>(scale)};
+  // oneDNN's bf16 batch-reduce GEMM needs AVX512-BF16 (or AMX, which comes with it; the
+  // library is built for this CPU): without it, widened to fp32
+#if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16)
     run(s, q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), out.data_ptr<bf16>());
+#else
+  if (dtype == at::kBFloat16)
+    run<bf16, float>(s, q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(),
+                     out.data_ptr<bf16>());
+#endif
   else
     run(s, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
 #else
