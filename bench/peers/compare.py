@@ -21,6 +21,7 @@ from bench.peers.servers import (
 from daemon.service.live_server import free_port
 
 WARMUP_OUTPUT_LEN = 16
+VARIANT_OF = "deepinfer"  # the system a variant "deepinfer:LABEL" runs with more flags
 
 
 @dataclass
@@ -40,13 +41,35 @@ class Plan:
     peers_root: Path | None = None
     extra_args: dict[str, str] = field(default_factory=dict)  # system -> its server's flags
     kv_store: bool = True  # deepinfer's block store on (as by default), a fresh one per server
+    # label -> more flags for deepinfer, run as system "deepinfer:LABEL" after the others
+    variants: dict[str, str] = field(default_factory=dict)
+
+    def served_dtype(self, system: str) -> str:
+        """The dtype `system` serves in: a variant's last --dtype, else the plan's."""
+        flags = shlex.split(self.variants.get(system.partition(":")[2], ""))
+        dtype = self.dtype
+        for flag, value in zip(flags, flags[1:] + [""]):
+            if flag == "--dtype" and value:
+                dtype = value
+            elif flag.startswith("--dtype="):
+                dtype = flag.split("=", 1)[1]
+        return dtype
+
+
+def file_stem(system: str) -> str:
+    """`system` as a file name's start ("deepinfer:fp32" -> "deepinfer-fp32")."""
+    return system.replace(":", "-")
 
 
 def launch(plan: Plan, system: str, port: int, rep: int = 0) -> Launch:
-    extra = shlex.split(plan.extra_args.get(system, ""))
-    if system == "deepinfer":
+    base, _, label = system.partition(":")
+    extra = shlex.split(plan.extra_args.get(base, ""))
+    if base == VARIANT_OF:
         assert plan.model is not None
-        store = plan.out / f"kv-store-r{rep}" if plan.kv_store else None
+        extra += shlex.split(plan.variants[label]) if label else []
+        # every server its own store: a variant's would turn the prompts into prefix hits
+        name = f"kv-store-{label}-r{rep}" if label else f"kv-store-r{rep}"
+        store = plan.out / name if plan.kv_store else None
         return deepinfer_launch(plan.model, port, plan.dtype, extra, store)
     if system == "vllm":
         assert plan.model is not None
@@ -70,7 +93,7 @@ def run(plan: Plan) -> dict[str, Any]:
         for system in plan.systems:
             port = free_port()
             spec = launch(plan, system, port, rep)
-            with Server(spec, port, plan.out / f"{system}-r{rep}.log") as server:
+            with Server(spec, port, plan.out / f"{file_stem(system)}-r{rep}.log") as server:
                 ready_s = server.wait_ready(plan.ready_timeout_s)
                 started.append(
                     {"system": system, "repeat": rep, "ready_s": ready_s, "pid": server.proc.pid}
@@ -80,7 +103,7 @@ def run(plan: Plan) -> dict[str, Any]:
                 if plan.warmup:
                     _warm_up(plan, system, spec.served_name, server.base_url, base + 999)
                 for i, (conc, n) in enumerate(zip(plan.concurrency, plan.num_prompts)):
-                    path = plan.out / f"{system}-r{rep}-c{conc}.json"
+                    path = plan.out / f"{file_stem(system)}-r{rep}-c{conc}.json"
                     work = replace(plan.work, num_prompts=n)
                     args = workload.serve_args(
                         system, work, server.base_url, spec.served_name, conc, base + i, path
@@ -95,7 +118,8 @@ def run(plan: Plan) -> dict[str, Any]:
                             "summary": data["summary"],
                         }
                     )
-    rows = report.rows(runs, weights, plan.dtype)
+    dtypes = {s: plan.served_dtype(s) for s in plan.systems}
+    rows = report.rows(runs, weights, plan.dtype, dtypes)
     result = {
         "plan": asdict(plan),
         "floor": weights.to_json() if weights is not None else None,
@@ -114,7 +138,7 @@ def _warm_up(plan: Plan, system: str, model: str, url: str, seed: int) -> None:
     w = workload.Workload(
         plan.warmup, plan.work.input_len, WARMUP_OUTPUT_LEN, plan.work.tokenizer, plan.work.extra
     )
-    path = plan.out / f"{system}-warmup.json"
+    path = plan.out / f"{file_stem(system)}-warmup.json"
     # llama-cpp-python's server runs one request at a time and cuts concurrent streams short
     conc = 1 if system == "llamacpp" else plan.warmup
     workload.run(workload.serve_args(system, w, url, model, conc, seed, path))

@@ -32,9 +32,15 @@ class Row:
     tpot_vs_floor: float | None = None  # TPOT p50 / that floor (1.0: at the floor)
 
 
-def rows(runs: list[dict[str, Any]], floor: Floor | None = None, dtype: str = "") -> list[Row]:
+def rows(
+    runs: list[dict[str, Any]],
+    floor: Floor | None = None,
+    dtype: str = "",
+    dtypes: dict[str, str] | None = None,
+) -> list[Row]:
     """`runs`: {"system", "concurrency", "repeat", "summary"} each; medians over repeats;
-    with a `floor`, each row's TPOT against the floor of the weights it reads in `dtype`."""
+    with a `floor`, each row's TPOT against the floor of the weights it reads in `dtype`
+    (`dtypes`: a system's own, where it serves another)."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["system"], r["concurrency"]), []).append(r["summary"])
@@ -59,7 +65,8 @@ def rows(runs: list[dict[str, Any]], floor: Floor | None = None, dtype: str = ""
         if (b := base.get(r.concurrency)) is not None:
             r.ours_vs_tok_s = _ratio(b.output_tok_s, r.output_tok_s)
             r.ours_vs_tpot = _ratio(r.tpot_p50_ms, b.tpot_p50_ms)
-        if floor is not None and (f := floor.for_system(r.system, dtype)) is not None:
+        served = (dtypes or {}).get(r.system, dtype)
+        if floor is not None and (f := floor.for_system(r.system, served)) is not None:
             r.floor_tpot_ms, r.tpot_vs_floor = f, _ratio(r.tpot_p50_ms, f)
     return sorted(out, key=lambda r: (r.concurrency, r.system != BASELINE, r.system))
 

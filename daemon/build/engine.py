@@ -12,7 +12,7 @@ import torch
 
 from daemon.build.config import EngineConfig
 from daemon.build.demo import default_name, is_demo, model_path
-from daemon.build.device import resolve_device, resolve_dtype
+from daemon.build.device import kernels_widen_bf16, resolve_device, resolve_dtype
 from daemon.build.images import RemoteEncoder, image_embeddings
 from daemon.build.moe import forward_listener, lockstep_executor, moe_controller
 from daemon.build.mtp import mtp_network
@@ -76,7 +76,12 @@ def build_engine(
         hf_config = read_config(path, gguf_cache(cfg))
     with failing_as(f"device {cfg.device}", RuntimeError, ValueError):
         device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, checkpoint_dtype(hf_config), device)
+    dtype = resolve_dtype(
+        cfg.dtype,
+        checkpoint_dtype(hf_config),
+        device,
+        widened_bf16=lambda: kernels_widen_bf16(hf_config.get("model_type")),
+    )
     with failing_as(f"model {path}", ModelLoadError, UnsupportedRope, OSError):
         loaded = load_model(path, device, dtype, gguf_cache(cfg))
     model = loaded.model

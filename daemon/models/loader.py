@@ -36,6 +36,8 @@ MODEL_TYPES: dict[str, tuple[Any, Any]] = {
     "deepseek_v4": (V4Config, DeepseekV4ForCausalLM),
     "llava": (LlavaConfig, LlavaForConditionalGeneration),
 }
+# the model types of text-only dense models (DenseForCausalLM)
+DENSE_TYPES = frozenset(t for t, (_, cls) in MODEL_TYPES.items() if cls is DenseForCausalLM)
 
 
 class ModelLoadError(ValueError):
