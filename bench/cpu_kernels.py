@@ -375,10 +375,10 @@ def linear(args: argparse.Namespace) -> None:
         ms = {k: v / 1e3 for k, v in median_us(fns, args.reps).items()}
         other = min(ms["onednn"], ms["widened"], ms["mkl"])
         mine = ms.get("ours")
-        ours = f"{mine:15.2f} {nbytes / mine / 1e6:6.1f}" if mine else f"{'-':>15s} {'-':>6s}"
+        cell = f"{mine:15.2f} {nbytes / mine / 1e6:6.1f}" if mine else f"{'-':>15s} {'-':>6s}"
         ratio = f"{other / mine:10.2f}x" if mine else f"{'-':>11s}"
         print(
-            f"{m:4d}  {ours} {ms['onednn']:16.2f} {ms['widened']:12.2f} {ms['mkl']:13.2f} {ratio}",
+            f"{m:4d}  {cell} {ms['onednn']:16.2f} {ms['widened']:12.2f} {ms['mkl']:13.2f} {ratio}",
             flush=True,
         )
 

@@ -16,16 +16,14 @@ from kernels.prefill_attention_cpu import prefill_attention, prefill_reference
 BF16 = torch.bfloat16
 
 
-def usable(dtype: torch.dtype) -> bool:
-    probe = torch.empty(1, 1, 32, dtype=dtype)
+def usable() -> bool:
+    probe = torch.empty(1, 1, 32, dtype=BF16)
     return prefill_attention_cpu.supports(probe, probe, probe, probe)
 
 
 pytestmark = pytest.mark.skipif(
-    not (cpu_build.load() and usable(torch.float32)), reason="needs AVX-512 and the C++ kernels"
+    not (cpu_build.load() and usable()), reason="needs AVX-512 and the C++ kernels"
 )
-# bf16 (oneDNN's bf16 products where the CPU has AVX512-BF16, else widened to fp32)
-DTYPE = BF16 if usable(BF16) else torch.float32
 
 
 def case(n: int, ctx: int, hq: int, hkv: int, dim: int, dtype: torch.dtype = BF16):
@@ -61,8 +59,6 @@ FLOOR = {BF16: 1e-2, torch.float32: 2e-6}
 def test_op_matches_the_fp32_reference_as_closely_as_sdpa_does(
     n: int, ctx: int, hq: int, hkv: int, dim: int, dtype: torch.dtype
 ) -> None:
-    if not usable(dtype):
-        pytest.skip(f"the op does not serve {dtype}")
     q, k, v = case(n, ctx, hq, hkv, dim, dtype)
     out = torch.full_like(q, float("nan"))
     scale = dim**-0.5
@@ -76,9 +72,9 @@ def test_token_strided_views_are_read_and_written_in_place() -> None:
     bigger buffer: nothing outside `out`'s rows is touched."""
     n, hq, hkv, dim = 40, 6, 2, 64
     g = torch.Generator().manual_seed(3)
-    qkv = torch.randn(n, hq + 2 * hkv, dim, generator=g).to(DTYPE)
+    qkv = torch.randn(n, hq + 2 * hkv, dim, generator=g).to(BF16)
     q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-    buffer = torch.zeros(n + 8, hq, dim, dtype=DTYPE)
+    buffer = torch.zeros(n + 8, hq, dim, dtype=BF16)
     prefill_attention(q, k, v, 0.125, buffer[4 : 4 + n])
     ours, sdpa = error_vs_fp32(buffer[4 : 4 + n], q, k, v, 0.125)
     assert ours <= max(2 * sdpa, 1e-2)
@@ -110,9 +106,9 @@ def test_paged_attention_runs_it_for_prefill_chunks(monkeypatch: pytest.MonkeyPa
     for _, q_len, t, ctx in prefills:
         slots += [t[p // block] * block + p % block for p in range(ctx - q_len, ctx)]
     batch = build_attention_batch(decodes, prefills, slots, block)
-    q = torch.randn(len(slots), hq, dim, generator=g).to(DTYPE)
-    k, v = torch.randn(2, len(slots), hkv, dim, generator=g).to(DTYPE).unbind(0)
-    caches = torch.randn(2, blocks * block, hkv, dim, generator=g).to(DTYPE)
+    q = torch.randn(len(slots), hq, dim, generator=g).to(BF16)
+    k, v = torch.randn(2, len(slots), hkv, dim, generator=g).to(BF16).unbind(0)
+    caches = torch.randn(2, blocks * block, hkv, dim, generator=g).to(BF16)
 
     def run() -> torch.Tensor:
         kc, vc = caches[0].clone(), caches[1].clone()
