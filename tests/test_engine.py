@@ -116,7 +116,8 @@ async def test_greedy_steps_skip_the_fp32_logits_and_keep_their_tokens(checkpoin
 
 async def test_each_step_is_logged_with_its_shape_at_debug_level(checkpoint, prompts):
     """`--log-level debug`: a `step` line per engine step, its sequences, tokens, chunk
-    tokens and milliseconds; at info, none."""
+    tokens and milliseconds (scheduling, preparation, execution; with a speculator, also what
+    its cost predicted); at info, none."""
     engine, config = await started(checkpoint), structlog.get_config()
     try:
         with structlog.testing.capture_logs() as logs:
@@ -132,6 +133,7 @@ async def test_each_step_is_logged_with_its_shape_at_debug_level(checkpoint, pro
     assert len(steps) >= MAX_TOKENS  # the prompt's chunk(s), then a decode a token
     assert steps[0]["chunk_tokens"] == len(prompts[0]) and steps[0]["seqs"] == 1
     assert all(e["execute_ms"] > 0 and e["drafts"] == 0 for e in steps)
+    assert all(e["schedule_ms"] >= 0 and "predicted_ms" not in e for e in steps)  # no speculator
     assert steps[-1]["tokens"] == 1 and steps[-1]["chunk_tokens"] == 0
 
 

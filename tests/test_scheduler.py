@@ -237,6 +237,27 @@ def test_a_request_whose_draft_is_declined_proposes_again_at_probes() -> None:
     assert declined == {"a": 179, "b": 0}  # decodes since its first, declined
 
 
+def test_a_declined_request_proposes_again_in_a_lighter_step() -> None:
+    """A decline holds only at the load it was made at: when the step that follows is lighter
+    ("b" finished: one decode, not two), "a" is asked again at once, not at its next probe;
+    declined there too, it waits for the probes again."""
+    s = make(num_blocks=128, budget=32)
+    drafter = _Counting({"a"})
+    s.speculator = Speculator(drafter, _expensive_drafts(), 2)
+    a, b = req("a", 3, max_tokens=200), req("b", 3, max_tokens=200)
+    s.add(a)
+    s.add(b)
+    for _ in range(12):
+        finish_step(s, s.schedule())
+    first = drafter.asked["a"][0]
+    assert [n - first for n in drafter.asked["a"]] == [0, 8]
+    s.finish(b, FinishReason.LENGTH)
+    for _ in range(30):
+        finish_step(s, s.schedule())
+    assert [n - first for n in drafter.asked["a"]] == [0, 8, 11, 16, 32]
+    assert a.declined_load == 1
+
+
 def test_decode_context_is_the_mean_start_of_decode_and_verify_rows() -> None:
     a, b, c = req("a", 10), req("b", 10), req("c", 10)
     decode = ScheduledSeq(a, 100, 1, True, 0)

@@ -5,9 +5,12 @@ multi-token step, and the logprobs of accepted tokens."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import structlog
+import structlog.testing
 import torch
 
 from daemon.loop.engine import Engine
@@ -230,10 +233,20 @@ async def test_each_drafter_keeps_greedy_output(checkpoint, prompts, drafter, po
         assert spec is not None and spec.drafter.name == drafter
         assert type(spec.policy).__name__ == f"{policy.capitalize()}Policy"
         first = await run_all(engine, prompts[:3], params)
-        again = await run_all(engine, prompts[:3], params)  # suffix: finds the first run's
+        config = structlog.get_config()
+        try:
+            with structlog.testing.capture_logs() as logs:
+                debug = structlog.make_filtering_bound_logger(logging.DEBUG)
+                structlog.configure(wrapper_class=debug)
+                again = await run_all(engine, prompts[:3], params)  # suffix: finds the first's
+        finally:
+            structlog.configure(**config)
         stats = engine.stats()
     finally:
         await engine.stop()
+    # the step trace: what the adaptive policy's cost predicted, beside the measured time
+    steps = [e for e in logs if e["event"] == "step"]
+    assert steps and all(("predicted_ms" in e) == (policy == "adaptive") for e in steps)
     assert [tokens(o) for o in first] == [tokens(o) for o in again] == [tokens(o) for o in plain]
     assert stats["spec_drafts"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

@@ -73,6 +73,7 @@ class Inflight:
     launched: asyncio.Future | None = None  # resolved once its work is queued on the device
     transfers: list[KVTransfer] = field(default_factory=list)  # handoff imports and exports
     prepare_seconds: float = 0.0  # the loop thread's `ModelRunner.prepare`
+    schedule_seconds: float = 0.0  # the loop thread's `Scheduler.schedule` (drafting included)
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Callable[[], None]:
@@ -504,6 +505,7 @@ class Engine:
                 if self._one_team:
                     release_thread_team()  # this thread's, if anything here made one
                 step = None
+                scheduled_at = time.perf_counter()
                 if self.overlap or not inflight:
                     step = self.scheduler.schedule(overlapped=bool(inflight))
                     if step is not None and step.store_reads:
@@ -521,7 +523,8 @@ class Engine:
                     launched = loop.create_future() if signal else None
                     args = (prepared, _resolver(loop, launched)) if launched else (prepared,)
                     future = loop.run_in_executor(self._executor, self.runner.execute, *args)
-                    inflight.append(Inflight(step, ops, future, launched, transfers, prepared_in))
+                    took = (prepared_in, started - scheduled_at)
+                    inflight.append(Inflight(step, ops, future, launched, transfers, *took))
                     self.steps += 1
                 elif ops or transfers:
                     future = loop.run_in_executor(
@@ -626,9 +629,18 @@ class Engine:
             drafts=sum(len(s.draft) for s in seqs),
             block_saves=sum(len(b.blocks) for b in done.ops.block_saves),
             block_loads=sum(len(b.blocks) for b in done.ops.block_loads),
+            schedule_ms=round(done.schedule_seconds * 1e3, 2),
             prepare_ms=round(done.prepare_seconds * 1e3, 2),
             execute_ms=round(execute * 1e3, 2),
+            **self._predicted(done.step),
         )
+
+    def _predicted(self, step: SchedulerStep) -> dict[str, float]:
+        """What the speculator's cost priced the step at before it ran (prepare and execute),
+        to trace beside the measured time: where the two part, the policy misjudges drafts."""
+        spec = self.scheduler.speculator
+        seconds = None if spec is None else spec.price(*_priced(step))
+        return {} if seconds is None else {"predicted_ms": round(seconds * 1e3, 2)}
 
     def _timed(self, step: SchedulerStep, seconds: float) -> None:
         """A step's measured time, for the speculator's cost: its draft rows apart from its
@@ -636,10 +648,8 @@ class Engine:
         spec = self.scheduler.speculator
         if spec is None:
             return
-        num_tokens = sum(s.num_tokens for s in step.seqs)
-        num_drafts = sum(len(s.draft) for s in step.seqs)
-        context = decode_context(step.seqs)
-        spec.observe_step(num_tokens, len(step.seqs), num_drafts, seconds, context)
+        num_tokens, num_seqs, num_drafts, context = _priced(step)
+        spec.observe_step(num_tokens, num_seqs, num_drafts, seconds, context)
 
     def _drafted(self, req: Request, drafted: EarlyDraft) -> None:
         """Drafts the runner made after this step's token (on the device), for the drafter."""
@@ -653,3 +663,14 @@ class Engine:
         self.scheduler.verified(seq, accepted, rolled_back)
         if spec is not None and seq.proposal is not None and not req.finished:
             spec.observe(req, seq.proposal, len(seq.draft), accepted)
+
+
+def _priced(step: SchedulerStep) -> tuple[int, int, int, float | None]:
+    """What a step's cost is priced by: its tokens, sequences, draft rows and decode context."""
+    seqs = step.seqs
+    return (
+        sum(s.num_tokens for s in seqs),
+        len(seqs),
+        sum(len(s.draft) for s in seqs),
+        decode_context(seqs),
+    )

@@ -143,6 +143,8 @@ class Request:
     decodes_without_drafts: int = 0
     # decodes since the policy declined a draft of it (0: none declined since one was verified)
     declined_decodes: int = 0
+    # the tokens (drafts aside) of the step whose plan last declined it: a lighter step asks again
+    declined_load: int = 0
     # (known tokens, worth it) of the last check whether to hold it back a step for drafts
     hold_check: tuple[int, bool] | None = None
     slot: int = -1  # row in the runner's per-request device state while running

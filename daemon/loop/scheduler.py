@@ -168,14 +168,21 @@ class Scheduler:
         """Extend the step's decodes that may speculate by the drafts the policy chooses,
         within `budget` tokens and the KV memory free now (drafts preempt nobody). A request
         whose draft the policy declined proposes again only at the decodes `_takes_drafts`
-        names (counted from the decline): proposing costs the loop's thread every step, and
-        a policy that declines at this load (chat at 64 sequences) declines again."""
+        names (counted from the decline), or at once in a step lighter than the one that
+        declined it: proposing costs the loop's thread every step, and a policy that declines
+        at this load (chat at 64 sequences) declines again, but not where the load has fallen
+        (the wave's prefill done, the batch thinned to its last few requests)."""
+        tokens = sum(s.num_tokens for s in scheduled)
         seqs = []
         for s in scheduled:
             if not self._may_speculate(s):
                 continue
             req = s.request
-            if req.declined_decodes and not _takes_drafts(req.declined_decodes):
+            if (
+                req.declined_decodes
+                and not _takes_drafts(req.declined_decodes)
+                and tokens >= req.declined_load
+            ):
                 req.declined_decodes += 1
                 continue
             seqs.append(s)
@@ -185,7 +192,6 @@ class Scheduler:
         limits = [
             (s.request, s.request.params.max_tokens - s.request.num_sampled_scheduled) for s in seqs
         ]
-        tokens = sum(s.num_tokens for s in scheduled)
         plans = spec.plan(limits, len(scheduled), tokens, decode_context(scheduled))
         chosen = 0
         for seq, plan in zip(seqs, plans):
@@ -195,6 +201,7 @@ class Scheduler:
                 req.decodes_without_drafts += 1
                 if req.declined_decodes or (plan.proposal.tokens and plan.length == 0):
                     req.declined_decodes += 1
+                    req.declined_load = tokens
                 continue
             req.decodes_without_drafts = req.declined_decodes = 0
             seq.draft, seq.proposal = plan.tokens[:n], plan.proposal

@@ -102,6 +102,13 @@ class Speculator:
         the decodes attend `context` positions on average): to the policy's cost."""
         self.policy.observe_step(num_tokens, num_seqs, num_drafts, seconds, context)
 
+    def price(
+        self, num_tokens: int, num_seqs: int, num_drafts: int, context: float | None = None
+    ) -> float | None:
+        """The seconds the policy's cost expects of such a step (None: its policy has none)."""
+        cost = getattr(self.policy, "cost", None)
+        return None if cost is None else cost.seconds(num_tokens, num_seqs, num_drafts, context)
+
     def finished(self, req: Request) -> None:
         self.drafter.finished(req)
 
