@@ -18,12 +18,12 @@ from kernels import cpu_build, small_linear
 
 # DEEPINFER_CPU_KERNELS=0 keeps the plain F.linear (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
-# oneDNN makes a GEMM primitive per row count and keeps the last 1024 made (its default): a
-# server whose steps run more row counts than that over ~6 weight shapes (chunks, verifies of
-# up to k drafts a sequence) makes one again at most steps, 1-7 ms a weight shape on 2 Ice
-# Lake cores (`_linear_pointwise` first call against later ones, 40-1500 rows). oneDNN reads
-# this when it makes its first primitive, so it is set before any weight is packed; a value
-# in the environment stands.
+# oneDNN makes a GEMM primitive per row count and weight shape, and keeps the 1024 used last
+# (its default); a server's chunks and verifies run hundreds of row counts over ~6 shapes, and
+# one evicted is made again when its row count comes back: 1-7 ms on 2 Ice Lake cores
+# (`_linear_pointwise`'s first call against later ones, 40-1500 rows). oneDNN reads this when
+# it makes its first primitive, so it is set before any weight is packed; a value in the
+# environment stands.
 PRIMITIVE_CACHE = 16384
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
 # the rows oneDNN is told to expect when it packs: any count runs on the packed weight after;
