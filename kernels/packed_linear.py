@@ -18,14 +18,6 @@ from kernels import cpu_build, small_linear
 
 # DEEPINFER_CPU_KERNELS=0 keeps the plain F.linear (read once, at import)
 ENABLED = os.environ.get("DEEPINFER_CPU_KERNELS", "1") != "0"
-# oneDNN makes a GEMM primitive per row count and weight shape, and keeps the 1024 used last
-# (its default); a server's chunks and verifies run hundreds of row counts over ~6 shapes, and
-# one evicted is made again when its row count comes back: 1-7 ms on 2 Ice Lake cores
-# (`_linear_pointwise`'s first call against later ones, 40-1500 rows). oneDNN reads this when
-# it makes its first primitive, so it is set before any weight is packed; a value in the
-# environment stands.
-PRIMITIVE_CACHE = 16384
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
 # the rows oneDNN is told to expect when it packs: any count runs on the packed weight after;
 # SmolLM2-135M's layers at 64 rows ran 1.41x plain with weights packed for 16, 1.22x for 64
 PACK_ROWS = 16

@@ -4,7 +4,6 @@ dense model packing their weights."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from daemon.models.layers import Linear
 from daemon.models.loader import load_model
 from kernels import cpu_build, packed_linear
 from tests.checkpoints import make_dense_checkpoint
-from tests.daemons import ROOT, checkout_env, in_checkout
+from tests.daemons import in_checkout
 
 BF16 = torch.bfloat16
 needs_packing = pytest.mark.skipif(
@@ -83,30 +82,6 @@ def test_fp32_packing_follows_the_cpu(tmp_path) -> None:
     assert packed_linear.packs_fp32(amd) and packed_linear.packs_fp32(intel)
     assert not packed_linear.packs_fp32(amx)
     assert not packed_linear.packs_fp32(tmp_path / "missing")
-
-
-_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-
-
-@pytest.mark.parametrize("given", [None, "64"])
-def test_onednn_keeps_a_primitive_for_every_row_count_a_server_runs(given: str | None) -> None:
-    """Importing the module (before any weight is packed, so before oneDNN makes a primitive)
-    raises oneDNN's primitive cache from 1024 to PRIMITIVE_CACHE: a GEMM primitive is made per
-    row count. A capacity the environment gives stands."""
-    env = {k: v for k, v in checkout_env().items() if k != _CACHE}
-    if given is not None:
-        env[_CACHE] = given
-    probe = f"import os, kernels.packed_linear; print(os.environ[{_CACHE!r}])"
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert done.stdout.strip() == (given or str(packed_linear.PRIMITIVE_CACHE))
 
 
 @needs_kernels
