@@ -9,11 +9,12 @@ import random
 
 import pytest
 
-from daemon.loop.spec.base import OVERLAP_MIN_SHARE, Candidate, Draft
+from daemon.loop.spec.base import OVERLAP_MIN_SHARE, Candidate
 from daemon.loop.spec.calibration import Calibrator
 from daemon.loop.spec.cost import CostRow, CostTable
 from daemon.loop.spec.policy import AdaptivePolicy, FixedPolicy, build_policy
 from daemon.loop.spec.speculator import Speculator
+from tests.spec_doubles import OracleDrafter
 
 
 class TableCost:
@@ -276,22 +277,9 @@ def test_the_speculator_prices_a_step_by_its_policys_cost() -> None:
     """What the engine's step trace logs beside the measured time: the adaptive policy's
     cost for the step's shape; a fixed policy prices nothing."""
     cost = LinearCost(0.01, 0.001)
-    adaptive = Speculator(_NoDrafts(), AdaptivePolicy(4, cost), 4)
+    adaptive = Speculator(OracleDrafter({}, 2), AdaptivePolicy(4, cost), 4)
     assert adaptive.price(40, 8, 32, 300.0) == pytest.approx(0.05)
-    assert Speculator(_NoDrafts(), FixedPolicy(4), 4).price(40, 8, 32) is None
-
-
-class _NoDrafts:
-    name = "none"
-
-    def propose(self, req, k: int) -> Draft:
-        return Draft([], [])
-
-    def observe(self, req, draft: Draft, accepted: int) -> None:
-        pass
-
-    def finished(self, req) -> None:
-        pass
+    assert Speculator(OracleDrafter({}, 2), FixedPolicy(4), 4).price(40, 8, 32) is None
 
 
 # ---- calibrator ---------------------------------------------------------------------------

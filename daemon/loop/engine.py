@@ -73,7 +73,8 @@ class Inflight:
     launched: asyncio.Future | None = None  # resolved once its work is queued on the device
     transfers: list[KVTransfer] = field(default_factory=list)  # handoff imports and exports
     prepare_seconds: float = 0.0  # the loop thread's `ModelRunner.prepare`
-    schedule_seconds: float = 0.0  # the loop thread's `Scheduler.schedule` (drafting included)
+    # the loop thread's `Scheduler.schedule` (drafting included) and taking the cache ops
+    schedule_seconds: float = 0.0
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, launched: asyncio.Future) -> Callable[[], None]:
